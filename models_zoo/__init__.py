@@ -1,0 +1,1 @@
+"""Networks used by fxplan benchmarks, tests and CLI."""
