@@ -1,0 +1,319 @@
+"""Peak memory and time of one training step, measured rather than modelled.
+
+The meter is a live-storage tracker: a ``TorchDispatchMode`` that sees every op output, records the
+untyped storage behind it (keyed by ``storage._cdata``, since fake storages have no data pointer) and
+forgets it when the storage dies (``weakref.finalize``). Summing the bytes of live storages gives the
+same peak as the CPU allocator, and under ``FakeTensorMode`` it gives that peak without allocating
+anything, so a step far larger than the machine can be measured in seconds.
+
+On CUDA, :func:`measure_step` reads the caching allocator's statistics instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fxplan.errors import FxplanError
+
+GiB = 1024**3
+MiB = 1024**2
+
+#: Categories of the breakdown, in display order.
+CATEGORIES = ("parameters", "buffers", "inputs", "activations", "gradients", "backward temporaries")
+BACKWARD = "backward temporaries"
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts the bytes of every live tensor storage and the running peak.
+
+    Storages that exist before tracking starts (parameters, inputs, ...) are added with
+    :meth:`register`. Every storage that an op creates while the mode is active is charged to the current
+    ``phase`` (a category name) and released when it is freed. ``peak_breakdown`` is the per-category
+    split of live bytes at the moment of the peak.
+    """
+
+    def __init__(self, phase: str = "activations"):
+        super().__init__()
+        self.phase = phase
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[int, str]] = {}
+        self._by_category: dict[str, int] = {}
+        self.peak_breakdown: dict[str, int] = {}
+        self.timeline: list[tuple[str, int]] | None = None
+        # Keys of backward-created storages live at the peak, to tell gradients from temporaries later.
+        self._backward_live: set[int] = set()
+        self.peak_backward_keys: frozenset[int] = frozenset()
+
+    def register(self, tensor: torch.Tensor, category: str) -> None:
+        """Count an existing tensor's storage under ``category`` (once per storage)."""
+        self._add(tensor.untyped_storage(), category)
+
+    def record_timeline(self) -> None:
+        """Keep (op name, live bytes) after every op, for memory-timeline plots."""
+        self.timeline = []
+
+    def _add(self, storage: torch.UntypedStorage, category: str) -> None:
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+        self._live[key] = (nbytes, category)
+        self._by_category[category] = self._by_category.get(category, 0) + nbytes
+        self.current_bytes += nbytes
+        if category == BACKWARD:
+            self._backward_live.add(key)
+        weakref.finalize(storage, self._release, key)
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self.peak_breakdown = dict(self._by_category)
+            self.peak_backward_keys = frozenset(self._backward_live)
+
+    def _release(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            nbytes, category = entry
+            self.current_bytes -= nbytes
+            self._by_category[category] -= nbytes
+            self._backward_live.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._add(leaf.untyped_storage(), self.phase)
+        if self.timeline is not None:
+            self.timeline.append((str(func.overloadpacket.__name__), self.current_bytes))
+        return out
+
+
+@contextlib.contextmanager
+def track_memory(*existing: torch.Tensor, phase: str = "activations") -> Iterator[StorageTracker]:
+    """Track live tensor storages inside the ``with`` block.
+
+    ``existing`` tensors (e.g. parameters and inputs) are counted from the start. Read
+    ``tracker.peak_bytes`` and ``tracker.current_bytes`` inside or after the block.
+    """
+    tracker = StorageTracker(phase)
+    for t in existing:
+        tracker.register(t, "inputs")
+    with tracker:
+        yield tracker
+
+
+@dataclass
+class StepStats:
+    """What one forward + backward step cost.
+
+    ``peak_bytes`` counts every tensor the step holds: parameters, buffers, inputs, activations,
+    gradients and backward temporaries. ``breakdown`` splits the live bytes at the peak moment by those
+    categories. ``meter`` says which meter produced the numbers.
+    """
+
+    peak_bytes: int
+    breakdown: dict[str, int]
+    seconds: float
+    meter: str
+    timeline: list[tuple[str, int]] | None = field(default=None, repr=False)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GiB
+
+    def table(self) -> str:
+        """A readable two-column breakdown."""
+        rows = [f"{'category':<22}{'MiB':>12}"]
+        for name in CATEGORIES:
+            if self.breakdown.get(name):
+                rows.append(f"{name:<22}{self.breakdown[name] / MiB:>12.1f}")
+        rows.append(f"{'peak':<22}{self.peak_bytes / MiB:>12.1f}")
+        return "\n".join(rows)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """Sum of every floating-point tensor in the output: a loss whose gradient touches every output."""
+    leaves = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not leaves:
+        raise FxplanError("the model returned no floating-point tensor; pass loss_fn= to measure_step")
+    loss = leaves[0].sum()
+    for t in leaves[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def measure_step(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    fake: bool = False,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    timeline: bool = False,
+) -> StepStats:
+    """Measure the peak bytes and wall time of one forward + backward of ``model`` on ``example_inputs``.
+
+    The step runs on a private copy of the model, so the caller's parameters, gradients and buffers
+    (e.g. BatchNorm running statistics) are left untouched. With ``fake=True`` the copy and the inputs
+    are fake tensors and nothing is allocated; the peak is exact all the same. On CUDA models (not fake)
+    the allocator's ``max_memory_allocated`` is the meter.
+    """
+    loss_fn = loss_fn or default_loss
+    inputs = tuple(example_inputs)
+    if not isinstance(model, torch.nn.Module):
+        raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
+    fake_mode = _fake_mode_of(model, inputs) if fake or _has_fake(model, inputs) else None
+    if fake_mode is not None:
+        fake_model, fake_inputs = _fake_copy(model, fake_mode), _to_fake(inputs, fake_mode)
+        with fake_mode:
+            return _measure_tracked(fake_model, fake_inputs, loss_fn, timeline, "fake tensors")
+    device = _device_of(model, inputs)
+    if device.type == "cuda":
+        return _measure_cuda(copy.deepcopy(model), inputs, loss_fn, device)
+    return _measure_tracked(copy.deepcopy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
+
+
+def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> StepStats:
+    tracker = StorageTracker()
+    if timeline:
+        tracker.record_timeline()
+    for p in model.parameters():
+        tracker.register(p, "parameters")
+    for b in model.buffers():
+        tracker.register(b, "buffers")
+    for t in tree_leaves(inputs):
+        if isinstance(t, torch.Tensor):
+            tracker.register(t, "inputs")
+    start = time.perf_counter()
+    with tracker:
+        tracker.phase = "activations"
+        loss = loss_fn(model(*inputs))
+        tracker.phase = BACKWARD
+        loss.backward()
+        del loss
+    seconds = time.perf_counter() - start
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return StepStats(tracker.peak_bytes, _breakdown_at_peak(tracker, grads), seconds, meter, tracker.timeline)
+
+
+def _breakdown_at_peak(tracker: StorageTracker, grads: list[torch.Tensor]) -> dict[str, int]:
+    """Live bytes per category at the peak; parameter gradients are only known as such after backward."""
+    breakdown = dict(tracker.peak_breakdown)
+    grad_keys = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in grads}
+    moved = sum(n for key, n in grad_keys.items() if key in tracker.peak_backward_keys)
+    if moved:
+        breakdown[BACKWARD] -= moved
+        breakdown["gradients"] = moved
+    return {k: v for k, v in breakdown.items() if v}
+
+
+def _measure_cuda(model, inputs, loss_fn, device: torch.device) -> StepStats:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    resident = _resident_bytes(model, inputs)
+    start = time.perf_counter()
+    loss = loss_fn(model(*inputs))
+    loss.backward()
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    del loss
+    peak = torch.cuda.max_memory_allocated(device) - base + resident
+    breakdown = {"parameters": resident, "activations": peak - resident}
+    return StepStats(peak, breakdown, seconds, "cuda allocator")
+
+
+def _resident_bytes(model: torch.nn.Module, inputs) -> int:
+    seen: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers(), *[t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]]
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+def _has_fake(model: torch.nn.Module, inputs) -> bool:
+    tensors = [*model.parameters(), *tree_leaves(inputs)]
+    return any(isinstance(t, FakeTensor) for t in tensors)
+
+
+def _fake_mode_of(model: torch.nn.Module, inputs) -> FakeTensorMode:
+    """The fake mode already used by the model or inputs, or a new one."""
+    for t in [*tree_leaves(inputs), *model.parameters(), *model.buffers()]:
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def _fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors (nothing real is allocated)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if not isinstance(p, FakeTensor):
+            memo[id(p)] = torch.nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        if not isinstance(b, FakeTensor):
+            memo[id(b)] = fake_mode.from_tensor(b)
+    return copy.deepcopy(model, memo)
+
+
+def _to_fake(inputs, fake_mode: FakeTensorMode):
+    def convert(x):
+        if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor):
+            return x
+        return fake_mode.from_tensor(x)
+
+    return tuple(torch.utils._pytree.tree_map(convert, list(inputs)))
+
+
+def _device_of(model: torch.nn.Module, inputs) -> torch.device:
+    for t in [*model.parameters(), *tree_leaves(inputs)]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def measure_step_profiler(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> StepStats:
+    """Peak of one real step read from ``torch.profiler``'s allocation events: an independent meter.
+
+    It sees allocations the dispatch-level tracker cannot (inside ``torch.compile``d code, kernel
+    workspaces), so it is the meter for compiled peers and the cross-check for :func:`measure_step`.
+    Tensors that exist before the step (parameters, buffers, inputs) count as resident from the start.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    loss_fn = loss_fn or default_loss
+    model = copy.deepcopy(model)
+    inputs = tuple(example_inputs)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        loss = loss_fn(model(*inputs))
+        loss.backward()
+        del loss
+    seconds = time.perf_counter() - start
+    current = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action in (Action.PREEXISTING, Action.CREATE):
+            current += size
+        elif action == Action.DESTROY:
+            current -= size
+        peak = max(peak, current)
+    # Tensors created before profiling started and never touched are invisible to the profiler.
+    peak = max(peak, _resident_bytes(model, inputs))
+    return StepStats(peak, {}, seconds, "torch.profiler allocation events")
