@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -48,13 +49,15 @@ class StorageTracker(TorchDispatchMode):
         self.phase = phase
         self.current_bytes = 0
         self.peak_bytes = 0
-        self._live: dict[int, tuple[int, str]] = {}
+        # storage key -> (bytes, category, serial); keys are addresses and get reused, serials never.
+        self._live: dict[int, tuple[int, str, int]] = {}
+        self._serials = itertools.count()
         self._by_category: dict[str, int] = {}
         self.peak_breakdown: dict[str, int] = {}
         self.timeline: list[tuple[str, int]] | None = None
-        # Keys of backward-created storages live at the peak, to tell gradients from temporaries later.
+        # Serials of backward-created storages live at the peak, to tell gradients from temporaries later.
         self._backward_live: set[int] = set()
-        self.peak_backward_keys: frozenset[int] = frozenset()
+        self.peak_backward_serials: frozenset[int] = frozenset()
 
     def register(self, tensor: torch.Tensor, category: str) -> None:
         """Count an existing tensor's storage under ``category`` (once per storage)."""
@@ -69,24 +72,29 @@ class StorageTracker(TorchDispatchMode):
         if key in self._live:
             return
         nbytes = storage.nbytes()
-        self._live[key] = (nbytes, category)
+        serial = next(self._serials)
+        self._live[key] = (nbytes, category, serial)
         self._by_category[category] = self._by_category.get(category, 0) + nbytes
         self.current_bytes += nbytes
         if category == BACKWARD:
-            self._backward_live.add(key)
+            self._backward_live.add(serial)
         weakref.finalize(storage, self._release, key)
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self.peak_breakdown = dict(self._by_category)
-            self.peak_backward_keys = frozenset(self._backward_live)
+            self.peak_backward_serials = frozenset(self._backward_live)
 
     def _release(self, key: int) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
-            nbytes, category = entry
+            nbytes, category, serial = entry
             self.current_bytes -= nbytes
             self._by_category[category] -= nbytes
-            self._backward_live.discard(key)
+            self._backward_live.discard(serial)
+
+    def live_entry(self, tensor: torch.Tensor) -> tuple[int, str, int] | None:
+        """(bytes, category, serial) of a live tracked tensor's storage, or None."""
+        return self._live.get(tensor.untyped_storage()._cdata)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -208,8 +216,8 @@ def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> Step
 def _breakdown_at_peak(tracker: StorageTracker, grads: list[torch.Tensor]) -> dict[str, int]:
     """Live bytes per category at the peak; parameter gradients are only known as such after backward."""
     breakdown = dict(tracker.peak_breakdown)
-    grad_keys = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for g in grads}
-    moved = sum(n for key, n in grad_keys.items() if key in tracker.peak_backward_keys)
+    grad_entries = {tracker.live_entry(g) for g in grads} - {None}
+    moved = sum(nbytes for nbytes, _, serial in grad_entries if serial in tracker.peak_backward_serials)
     if moved:
         breakdown[BACKWARD] -= moved
         breakdown["gradients"] = moved

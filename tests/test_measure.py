@@ -1,0 +1,85 @@
+"""The live-storage meter: exact on hand-computed allocations, real == fake, agrees with the profiler."""
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxplan.measure import measure_step, measure_step_profiler, track_memory
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Dropout(0.2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10),
+    ).train()
+
+
+def test_tracker_counts_hand_computed_allocations():
+    with track_memory() as t:
+        a = torch.empty(1000)                        # 4000 bytes
+        b = torch.empty(250, dtype=torch.float64)    # 2000 bytes
+        assert t.current_bytes == 6000
+        view = a.view(10, 100)                       # a view allocates nothing
+        a.add_(1.0)                                  # neither does an in-place op
+        assert t.current_bytes == 6000
+        del a, view                                  # storage freed only when the view dies too
+        assert t.current_bytes == 2000
+        c = torch.empty(3000, dtype=torch.uint8)     # 3000 bytes: 5000 live, below the 6000 peak
+        assert (t.current_bytes, t.peak_bytes) == (5000, 6000)
+        d = b * 2                                    # 2000 more: new peak of 7000
+        del b, c, d
+    assert t.peak_bytes == 7000
+    assert t.current_bytes == 0
+
+
+def test_tracker_counts_existing_tensors_once():
+    x = torch.empty(100)
+    with track_memory(x, x.view(10, 10)) as t:
+        y = x + 1
+        del y
+    assert t.peak_bytes == 800
+
+
+def test_fake_and_real_agree_to_the_byte():
+    model, x = small_cnn(), torch.randn(4, 3, 16, 16)
+    real = measure_step(model, (x,))
+    fake = measure_step(model, (x,), fake=True)
+    assert real.peak_bytes == fake.peak_bytes
+    assert real.breakdown == fake.breakdown
+    assert fake.meter == "fake tensors"
+
+
+def test_breakdown_sums_to_peak_and_names_every_category():
+    stats = measure_step(small_cnn(), (torch.randn(4, 3, 16, 16),), fake=True)
+    assert sum(stats.breakdown.values()) == stats.peak_bytes
+    params = sum(p.numel() * 4 for p in small_cnn().parameters())
+    assert stats.breakdown["parameters"] == params
+    assert stats.breakdown["inputs"] == 4 * 3 * 16 * 16 * 4
+    assert stats.breakdown["activations"] > 0
+
+
+def test_fake_inputs_are_accepted_and_nothing_real_is_allocated():
+    model = small_cnn()
+    with FakeTensorMode():
+        x = torch.randn(4096, 3, 16, 16)       # 12 MiB if it were real
+    stats = measure_step(model, (x,))
+    assert stats.meter == "fake tensors"
+    assert stats.peak_bytes > 4096 * 3 * 16 * 16 * 4
+
+
+def test_measurement_leaves_the_model_untouched():
+    model = small_cnn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    measure_step(model, (torch.randn(4, 3, 16, 16),))
+    measure_step(model, (torch.randn(4, 3, 16, 16),), fake=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_live_storage_meter_agrees_with_profiler_allocation_events():
+    model, x = small_cnn(), torch.randn(8, 3, 16, 16)
+    ours = measure_step(model, (x,)).peak_bytes
+    independent = measure_step_profiler(model, (x,)).peak_bytes
+    assert abs(ours - independent) <= 0.03 * independent

@@ -1,0 +1,98 @@
+"""Tracing into a CostGraph: structure, costs, saved tensors, set helpers and errors."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fxplan
+from fxplan import CostGraph, TraceError, trace
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.relu(self.bn(self.conv(x)))
+        return torch.flatten(y + x, 1)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Gate()
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+def test_residual_block_graph_and_costs():
+    x = torch.randn(2, 4, 8, 8)
+    cg = trace(Residual(), (x,))
+    assert list(cg.nodes) == ["conv", "bn", "relu", "add", "flatten"]
+    assert set(cg.edges) == {("conv", "bn"), ("bn", "relu"), ("relu", "add"), ("add", "flatten")}
+    out_bytes = 2 * 4 * 8 * 8 * 4
+    assert all(cg.nodes[v]["M"] == out_bytes for v in cg.nodes)
+    assert cg.nodes["conv"]["kind"] == "conv" and cg.nodes["bn"]["kind"] == "bn"
+    assert cg.nodes["conv"]["T"] == 2 * 2 * 4 * 8 * 8 * 4 * 9      # 2·N·Cout·H·W·Cin·k²
+    assert cg.nodes["add"]["T"] == 2 * 4 * 8 * 8                      # floor: one per output element
+    # autograd: conv keeps only the (resident) input, bn keeps the conv output and its statistics,
+    # in-place relu keeps its output, which is the bn output's storage.
+    assert cg.nodes["conv"]["saved_inputs"] == () and not cg.nodes["conv"]["saves_output"]
+    assert cg.nodes["bn"]["saved_inputs"] == ("conv",)
+    assert cg.nodes["bn"]["saved"] == 2 * 4 * 4                       # save_mean and save_invstd
+    assert cg.nodes["relu"]["saves_output"] and cg.nodes["relu"]["alias_of"] == "bn"
+    assert cg.nodes["flatten"]["alias_of"] == "add"
+    assert cg.graph["param_bytes"] == sum(p.numel() * 4 for p in Residual().parameters())
+    assert cg.graph["input_bytes"] == x.numel() * 4
+
+
+def test_paper_cost_model_is_ten_for_conv_one_otherwise():
+    cg = trace(Residual(), (torch.randn(1, 4, 8, 8),), cost_model="paper")
+    assert [cg.nodes[v]["T"] for v in cg.nodes] == [10, 1, 1, 1, 1]
+
+
+def test_set_helpers_follow_section_2():
+    cg = CostGraph.from_edges("abcd", [("a", "b"), ("b", "c"), ("a", "d"), ("c", "d")],
+                              T=dict.fromkeys("abcd", 1), M=dict.fromkeys("abcd", 1))
+    assert cg.delta_plus({"a"}) == {"b", "d"}
+    assert cg.delta_minus({"d"}) == {"a", "c"}
+    assert cg.is_lower_set({"a", "b"}) and not cg.is_lower_set({"b"})
+    assert cg.boundary({"a", "b"}) == {"a", "b"}      # a feeds d, b feeds c
+    assert cg.boundary({"a", "b", "c"}) == {"a", "c"}
+
+
+def test_tracing_leaves_the_model_untouched_and_accepts_fake_inputs():
+    model = torchvision.models.resnet18(weights=None)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with FakeTensorMode():
+        x = torch.randn(64, 3, 224, 224)
+    cg = trace(model, (x,))
+    assert cg.number_of_nodes() == 69
+    assert cg.nodes["conv1"]["M"] == 64 * 64 * 112 * 112 * 4
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_untraceable_model_raises_trace_error_naming_the_module():
+    with pytest.raises(TraceError, match="inner") as info:
+        trace(DataDependent(), (torch.randn(3),))
+    assert "leaf" in str(info.value)
+    assert isinstance(info.value, fxplan.FxplanError)
+
+
+def test_wrong_number_of_inputs_is_a_trace_error():
+    with pytest.raises(TraceError, match="1 inputs"):
+        trace(Residual(), (torch.randn(1, 4, 8, 8), torch.randn(1)))
