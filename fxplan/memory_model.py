@@ -1,0 +1,266 @@
+"""Cost of one step of the canonical strategy (Kusumoto et al. 2019, section 3), as pluggable models.
+
+The DP (Algorithm 1) moves from a lower set ``L`` to a larger one ``L'`` (new segment ``V' = L' \\ L``)
+carrying ``m = M(U)``, the bytes of boundary values cached so far. Every model here reduces one move to
+three numbers, so the DP never needs to know which model it runs:
+
+``F(L, L')``  peak-memory excess of the move: the peak while segment ``V'`` runs is ``m + F``;
+``G(L, L')``  bytes newly cached by the move: ``m' = m + G`` (both models: ``M(∂(L') \\ L)``);
+``H(L, L')``  time overhead of the move; the plan's overhead is the sum of ``H``.
+
+Two models:
+
+* :class:`PaperModel` (``"paper"``) is equation (1) and (2) exactly:
+  ``F = 2M(V') + M(δ⁺(L') \\ L') + M(δ⁻(δ⁺(L')) \\ L')``, ``H = T(V' \\ ∂(L'))``.
+* :class:`AutogradModel` (``"autograd"``, the default) models what PyTorch autograd keeps when segment
+  ``V'`` is run under non-reentrant checkpointing and differentiated (see docs/planner.md):
+  ``F = M(R) + S(V') + M(∂(L') \\ L) + M(δ⁻(V') ∩ L) + max_{v∈V'} τ(v)`` where ``R`` are the members of
+  ``V'`` whose outputs some backward of ``V'`` saves (or that save their own output), ``S`` the extra bytes
+  nodes save (BatchNorm statistics, pooling indices, masks), ``M(∂(L') \\ L)`` the gradients arriving from
+  later segments, ``M(δ⁻(V') ∩ L)`` the gradients this segment produces for its inputs, and ``τ(v) = M(v)
+  + M(δ⁻(v))`` the transient gradients while one node is differentiated.  ``H = T(V')`` (a checkpointed
+  segment re-runs whole), except for the last segment, which is not recomputed: ``H = 0``.
+
+Each model exists in two evaluations that must agree (a test checks it): :meth:`BoundModel.transition`
+on bitsets, for one move, and :meth:`BoundModel.pair_matrices`, vectorised with numpy for every pair of
+a family of lower sets at once (the approximate DP's fast path).
+
+Per-node inputs of the autograd model (from :func:`fxplan.trace.trace`): ``saves_output`` (bool),
+``saved_inputs`` (names of predecessor compute nodes whose outputs the node's backward keeps), ``saved``
+(extra bytes). A node without those attributes (e.g. from :meth:`CostGraph.from_edges`) is taken to save
+all its compute-node inputs and not its output, with ``saved`` 0 when absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxplan.errors import FxplanError
+from fxplan.lowersets import GraphIndex, iter_bits, weighted_sum
+
+
+class BoundModel:
+    """A memory model bound to one :class:`GraphIndex`; see the module docstring."""
+
+    name: str = "?"
+
+    def __init__(self, ix: GraphIndex):
+        self.ix = ix
+
+    def transition(self, L: int, Lp: int) -> tuple[int, int, float]:
+        """(F, G, H) of the move L → L' on bitsets (``L ⊊ L'`` lower sets)."""
+        raise NotImplementedError
+
+    def pair_matrices(self, sets: list[int], A: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(F, G, H) as ``len(sets)²`` arrays, entry [i, j] for the move sets[i] → sets[j].
+
+        Entries where ``sets[i] ⊄ sets[j]`` are meaningless; the caller masks them.
+        """
+        raise NotImplementedError
+
+    def lb_weights(self) -> tuple[list[float], list[float]]:
+        """(add, mx) with ``Σ_{v∈V'} add[v] + max_{v∈V'} mx[v] ≤ F(L, L ∪ V')`` for every move.
+
+        The bound grows with ``V'``, so a search that grows segments can stop once it exceeds the budget.
+        """
+        raise NotImplementedError
+
+    def _common(self, A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Boundary indicator matrix of every set in A and its per-set bytes."""
+        ix = self.ix
+        succ_adj = _adjacency(ix)  # E[u, w] = 1 for an edge u → w
+        # a member u of X is on ∂(X) iff it has a successor outside X: outdeg(u) > |succ(u) ∩ X|
+        inside = A.astype(np.float64) @ succ_adj.T
+        outdeg = succ_adj.sum(axis=1)
+        Bd = A & (inside < outdeg[None, :])
+        return Bd, inside
+
+
+def _adjacency(ix: GraphIndex) -> np.ndarray:
+    E = np.zeros((ix.n, ix.n))
+    for u in range(ix.n):
+        for w in iter_bits(ix.succ[u]):
+            E[u, w] = 1.0
+    return E
+
+
+class _BoundPaper(BoundModel):
+    name = "paper"
+
+    def transition(self, L: int, Lp: int) -> tuple[int, int, float]:
+        ix = self.ix
+        Vp = Lp & ~L
+        bd = ix.boundary(Lp)
+        dplus = ix.delta_plus(Lp) & ~Lp
+        dmd = ix.delta_minus(dplus) & ~Lp
+        F = 2 * ix.msum(Vp) + ix.msum(dplus) + ix.msum(dmd)
+        G = ix.msum(bd & ~L)
+        H = ix.tsum(Vp & ~bd)
+        return F, G, H
+
+    def pair_matrices(self, sets, A):
+        ix = self.ix
+        M, T = ix.M_np, ix.T_np
+        Af = A.astype(np.float64)
+        Bd, inside = self._common(A)
+        E = _adjacency(ix)
+        dplus = ((Af @ E) > 0) & ~A  # δ⁺(X) \ X
+        dmd = ((dplus.astype(np.float64) @ E.T) > 0) & ~A  # δ⁻(δ⁺(X)) \ X
+        MA, TA = Af @ M, Af @ T
+        P = dplus @ M + dmd @ M
+        Bf = Bd.astype(np.float64)
+        F = 2.0 * (MA[None, :] - MA[:, None]) + P[None, :]
+        G = (Bf @ M)[None, :] - (Af * M) @ Bf.T
+        H = (TA[None, :] - TA[:, None]) - ((Bf @ T)[None, :] - (Af * T) @ Bf.T)
+        return F, G, H
+
+    def lb_weights(self):
+        return [2.0 * m for m in self.ix.M], [0.0] * self.ix.n
+
+
+@dataclass(frozen=True)
+class PaperModel:
+    """Equations (1) and (2) of Kusumoto et al. exactly as the paper states them."""
+
+    name: str = "paper"
+
+    def bind(self, ix: GraphIndex) -> BoundModel:
+        return _BoundPaper(ix)
+
+
+@dataclass(frozen=True)
+class AutogradModel:
+    """What PyTorch autograd keeps under non-reentrant checkpointing (module docstring, docs/planner.md).
+
+    The coefficients scale the three gradient terms so the model can be recalibrated against measured
+    peaks without touching the planner: ``out_grad`` (gradients arriving from later segments), ``in_grad``
+    (gradients produced for the segment's inputs) and ``transient`` (max over nodes of τ).
+    """
+
+    out_grad: float = 1.0
+    in_grad: float = 1.0
+    transient: float = 1.0
+    name: str = "autograd"
+
+    def bind(self, ix: GraphIndex) -> BoundModel:
+        return _BoundAutograd(ix, self)
+
+
+class _BoundAutograd(BoundModel):
+    name = "autograd"
+
+    def __init__(self, ix: GraphIndex, cfg: AutogradModel):
+        super().__init__(ix)
+        self.cfg = cfg
+        cg = ix.cg
+        n = ix.n
+        self.so = 0  # bitset of nodes that save their own output
+        self.si = [0] * n  # si[w]: bitset of predecessors whose output w's backward keeps
+        self.sx = [0] * n  # extra saved bytes
+        for i, v in enumerate(ix.names):
+            attrs = cg.nodes[v]
+            if attrs.get("saves_output", False):
+                self.so |= 1 << i
+            if "saved_inputs" in attrs:
+                self.si[i] = ix.mask(u for u in attrs["saved_inputs"] if u in ix.pos) & ix.pred[i]
+            else:
+                self.si[i] = ix.pred[i]
+            self.sx[i] = int(attrs.get("saved", 0) or 0)
+        self.tau = [ix.M[i] + ix.msum(ix.pred[i]) for i in range(n)]
+
+    def _saved_members(self, Vp: int) -> int:
+        r = self.so & Vp
+        for w in iter_bits(Vp):
+            r |= self.si[w] & Vp
+        return r
+
+    def transition(self, L: int, Lp: int) -> tuple[int, int, float]:
+        ix, c = self.ix, self.cfg
+        Vp = Lp & ~L
+        R = self._saved_members(Vp)
+        out_g = ix.msum(ix.boundary(Lp) & ~L)
+        in_g = ix.msum(ix.delta_minus(Vp) & L)
+        trans = max(self.tau[i] for i in iter_bits(Vp))
+        F = ix.msum(R) + int(weighted_sum(Vp, self.sx)) + c.out_grad * out_g + c.in_grad * in_g
+        F += c.transient * trans
+        H = 0.0 if Lp == ix.full else ix.tsum(Vp)
+        return F, out_g, H
+
+    def pair_matrices(self, sets, A):
+        ix, c = self.ix, self.cfg
+        M, T = ix.M_np, ix.T_np
+        n, S = ix.n, len(sets)
+        Af = A.astype(np.float64)
+        Bd, inside = self._common(A)
+        Bf = Bd.astype(np.float64)
+        # R*(X): members of X saved by some member of X, or saving their own output
+        SI = np.zeros((n, n))
+        for w in range(n):
+            for u in iter_bits(self.si[w]):
+                SI[w, u] = 1.0
+        so = np.zeros(n, dtype=bool)
+        so[list(iter_bits(self.so))] = True
+        Rs = A & (so[None, :] | ((Af @ SI) > 0))
+        Rf = Rs.astype(np.float64)
+        AM = Af * M
+        MR = (Rf @ M)[None, :] - AM @ Rf.T
+        out_g = (Bf @ M)[None, :] - AM @ Bf.T
+        sxa = Af @ np.array(self.sx, dtype=np.float64)
+        SX = sxa[None, :] - sxa[:, None]
+        # gradients for the inputs of V' = L' \ L: members u of ∂(L) with more successors in L' than in L
+        in_g = np.zeros((S, S))
+        for i in range(S):
+            cols = np.flatnonzero(Bd[i])
+            if cols.size:
+                in_g[i] = (inside[:, cols] > inside[i, cols][None, :]) @ M[cols]
+        # max τ over V': the largest level θ with more nodes of τ ≥ θ in L' than in L
+        tau = np.array(self.tau, dtype=np.float64)
+        trans = np.zeros((S, S))
+        for theta in np.unique(tau):
+            cnt = Af @ (tau >= theta)
+            trans[cnt[None, :] > cnt[:, None]] = theta
+        F = MR + SX + c.out_grad * out_g + c.in_grad * in_g + c.transient * trans
+        TA = Af @ T
+        H = TA[None, :] - TA[:, None]
+        full = [j for j, s in enumerate(sets) if s == ix.full]
+        H[:, full] = 0.0
+        return F, out_g, H
+
+    def lb_weights(self):
+        ix = self.ix
+        add = [float(self.sx[i] + (ix.M[i] if self.so >> i & 1 else 0)) for i in range(ix.n)]
+        return add, [self.cfg.transient * t for t in self.tau]
+
+
+MODELS = {"paper": PaperModel, "autograd": AutogradModel}
+
+
+def get_model(model: str | PaperModel | AutogradModel | None) -> PaperModel | AutogradModel:
+    """A memory model from its name (``"paper"``, ``"autograd"``) or a model object (passed through)."""
+    if model is None:
+        return AutogradModel()
+    if isinstance(model, str):
+        if model not in MODELS:
+            raise FxplanError(f"unknown memory_model {model!r}; choose one of {sorted(MODELS)}")
+        return MODELS[model]()
+    if hasattr(model, "bind"):
+        return model
+    raise FxplanError(f"memory_model must be a name or a model object with .bind(), not {model!r}")
+
+
+def evaluate_chain(bm: BoundModel, chain: list[int]) -> tuple[int, float, list[int], int]:
+    """Evaluate a plan L1 ≺ … ≺ Lk = V (bitsets, ∅ excluded) under a bound model.
+
+    Returns (predicted peak, overhead, peak of each segment, bytes cached at the end M(U_k)).
+    """
+    m, peak, over, seg_peaks, prev = 0, 0, 0.0, [], 0
+    for Lp in chain:
+        F, G, H = bm.transition(prev, Lp)
+        seg_peaks.append(int(round(m + F)))
+        peak = max(peak, seg_peaks[-1])
+        over += H
+        m += G
+        prev = Lp
+    return peak, over, seg_peaks, int(m)

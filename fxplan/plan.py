@@ -1,0 +1,115 @@
+"""The result of planning: an increasing sequence of lower sets and what it is predicted to cost.
+
+A :class:`Plan` is what every solver returns (:func:`fxplan.dp.solve`, :func:`fxplan.chen.solve`) and what
+the rewriter consumes. Segment ``i`` is ``L_i \\ L_{i-1}`` (Kusumoto et al., section 3); every segment but
+the last is run under recomputation, and only the boundary values ``∂(L_i)`` cross segments.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+def _fmt_bytes(b: float) -> str:
+    if abs(b) >= 1 << 30:
+        return f"{b / (1 << 30):.2f} GiB"
+    if abs(b) >= 1 << 20:
+        return f"{b / (1 << 20):.1f} MiB"
+    return f"{b / 1024:.1f} KiB"
+
+
+@dataclass
+class Plan:
+    """A recomputation plan (canonical strategy of Kusumoto et al. 2019, section 3).
+
+    Fields:
+
+    ``segments``            node names per segment, segments in execution order, each in topological order;
+                            segment i = L_i \\ L_{i-1}; together a partition of V
+    ``lower_sets``          L_1, …, L_k = V as node-name lists (cumulative unions of ``segments``)
+    ``boundaries``          per segment, its members still needed by later segments: ∂(L_i) ∩ V_i, the
+                            values the forward pass caches
+    ``predicted_peak_bytes`` the memory model's peak for the whole step (activations and gradients,
+                            parameters excluded)
+    ``segment_peak_bytes``  the model's peak while each segment's backward runs
+    ``overhead``            the objective the solver minimised: Σ H over segments under ``memory_model``
+                            (``"paper"``: equation (1), T(V \\ U_k); ``"autograd"``: T of every segment but
+                            the last, which is not recomputed)
+    ``recompute_fraction``  forward cost the rewritten step really recomputes, ÷ one forward pass:
+                            T(V_1 ∪ … ∪ V_{k-1}) / T(V). Checkpointing re-runs whole segments and never the
+                            last one, so this differs from equation (1)'s T(V \\ U_k)/T(V), which is kept in
+                            ``paper_overhead_fraction`` for comparison with the paper
+    ``budget_bytes``        the budget the solver was given (None: none)
+    ``strategy``            "time", "memory", or Chen's "sqrt", "greedy", "recursive"
+    ``solver``              "exact-dp", "approx-dp", "chen"
+    ``memory_model``        name of the memory model used for the prediction
+    ``solve_seconds``       wall time of the solver
+    ``children``            for Chen's recursive plan: segment index (as str) → Plan of that segment's
+                            subgraph, which is itself checkpointed inside; empty otherwise
+    """
+
+    segments: list[list[str]]
+    lower_sets: list[list[str]]
+    boundaries: list[list[str]]
+    predicted_peak_bytes: int
+    segment_peak_bytes: list[int]
+    overhead: float
+    recompute_fraction: float
+    paper_overhead_fraction: float
+    budget_bytes: int | None
+    strategy: str
+    solver: str
+    memory_model: str
+    solve_seconds: float = 0.0
+    total_T: float = 0.0
+    segment_T: list[float] = field(default_factory=list)
+    children: dict[str, Plan] = field(default_factory=dict)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    def summary(self) -> str:
+        """A readable multi-line description: one line per segment, then the totals."""
+        lines = [
+            f"Plan: {self.solver} / {self.strategy}, memory model {self.memory_model!r}, "
+            f"{self.num_segments} segments, solved in {self.solve_seconds:.3f} s",
+            f"  budget {_fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else 'none'}, "
+            f"predicted peak {_fmt_bytes(self.predicted_peak_bytes)}",
+            f"  recomputed forward: {100 * self.recompute_fraction:.1f}% of one forward pass "
+            f"(equation (1): {100 * self.paper_overhead_fraction:.1f}%)",
+        ]
+        k = self.num_segments
+        for i, seg in enumerate(self.segments):
+            kept = self.boundaries[i]
+            shown = ", ".join(kept[:4]) + (f", … (+{len(kept) - 4})" if len(kept) > 4 else "")
+            rec = "not recomputed" if i == k - 1 else f"recomputes T={self.segment_T[i]:.4g}"
+            lines.append(
+                f"  [{i}] {len(seg):4d} nodes {seg[0]} … {seg[-1]}; keeps {len(kept)} "
+                f"[{shown}]; {rec}; peak {_fmt_bytes(self.segment_peak_bytes[i])}"
+            )
+            if str(i) in self.children:
+                sub = self.children[str(i)].summary().splitlines()
+                lines.extend("      " + s for s in sub)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["children"] = {k: v.to_dict() for k, v in self.children.items()}
+        return d
+
+    def to_json(self, **kwargs: Any) -> str:
+        """JSON text that :meth:`from_json` turns back into an equal Plan."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        d = dict(d)
+        d["children"] = {k: cls.from_dict(v) for k, v in d.get("children", {}).items()}
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
