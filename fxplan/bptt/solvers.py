@@ -1,0 +1,283 @@
+"""Dynamic programs for memory-efficient BPTT (Gruslys et al. 2016, sections 3.1-3.4, appendix A).
+
+All three policies are solved by one engine. A sub-problem is "back-propagate ``t`` steps whose start
+hidden state is already stored, with ``m`` units of memory". The first decision is either
+
+* push a **hidden** state after ``y`` forward steps (``1 <= y < t``), eq. (1)/(6)::
+
+      Q1(t, m, y) = y + C(y, m) + C(t - y, m - 1)
+
+* or keep the **internal** state (the autograd graph) of step ``y`` (``1 <= y <= t``), eq. (4)/(7)/(10)::
+
+      Q2(t, m, y) = y + C(y - 1, m) + C(t - y, m - a(y)),   a(1) = beta, a(y > 1) = alpha
+
+and ``C(t, m) = min`` over both (eq. (9)); ``D``/``H`` record the argmin position and kind.
+``C(0, m) = 0`` for every ``m`` and ``C(t >= 1, m <= 0) = inf``.
+
+Memory units and what the DP guarantees (checked by :mod:`fxplan.bptt.schedule`):
+
+``"hsm"`` (3.1)  ``m`` hidden states, the sub-problem's start state included; one working internal state
+                 (the step being back-propagated) on top. Only hidden pushes, plus the y = t "working"
+                 step, which reproduces the boundary ``C(t, 1) = t(t+1)/2``. ``C(t, m >= t) = 2t - 1``.
+``"ism"`` (3.2)  ``m`` internal states, the one being back-propagated included. ``C(t, m >= t) = t``.
+``"msm"`` (3.3)  ``m`` hidden-state units; an internal state costs ``alpha`` units, or ``beta`` (3.4)
+                 when its input hidden state is already stored (y = 1). Stored states count, the working
+                 one does not (as in HSM), so ``C(t, 1) = t(t+1)/2`` and ``C(t, m >= alpha*t) = t``.
+
+The rows are computed one sequence length ``t`` at a time, vectorised over all memory sizes with numpy.
+A cheap feasible candidate ``UB`` (the best ``y = 1`` choice) bounds the useful positions: every
+candidate satisfies ``Q >= t + y - 1``, so ``y <= UB - t + 1``. For large memory the bound is tiny,
+which keeps t = 1000 with thousands of units well under a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxplan.errors import BudgetError, FxplanError
+
+INF = 1 << 60
+HIDDEN = 0
+INTERNAL = 1
+
+POLICIES = ("hsm", "ism", "msm", "chen_sqrt", "chen_recursive")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Solved policy tables for sequences up to ``t`` steps and memory up to ``m`` units.
+
+    ``C[t', m']`` is the optimal number of forward operations (``INF`` when infeasible), ``D[t', m']``
+    the position of the first push and ``H[t', m']`` its kind (:data:`HIDDEN` or :data:`INTERNAL`).
+    For the Chen baselines the tables do not depend on memory: they are 1-D, indexed by ``t'`` only,
+    and ``m`` is the memory (in MSM units) the baseline needs for ``t`` steps.
+    """
+
+    name: str
+    t: int
+    m: int
+    alpha: int | None
+    beta: int | None
+    C: np.ndarray
+    D: np.ndarray
+    H: np.ndarray
+
+    def internal_units(self, y: int) -> int:
+        """Memory units an internal state pushed at relative position ``y`` occupies (section 3.4)."""
+        if self.name == "ism":
+            return 1
+        if self.name == "hsm":
+            return 0  # only ever the working state
+        assert self.alpha is not None and self.beta is not None
+        return self.beta if y == 1 else self.alpha
+
+    @property
+    def hidden_units(self) -> int:
+        """Memory units one stored hidden state occupies (ISM stores none but the root)."""
+        return 0 if self.name == "ism" else 1
+
+    def decide(self, t: int, m: int) -> tuple[int, int]:
+        """The first action ``(kind, y)`` for ``t`` remaining steps with ``m`` units."""
+        if self.C.ndim == 1:
+            return int(self.H[t]), int(self.D[t])
+        return int(self.H[t, m]), int(self.D[t, m])
+
+    def cost(self, t: int | None = None, m: int | None = None) -> int:
+        """Forward operations for ``t`` steps with ``m`` units (defaults: the solved size)."""
+        t = self.t if t is None else t
+        if self.C.ndim == 1:
+            return int(self.C[t])
+        m = self.m if m is None else m
+        return int(self.C[t, min(m, self.C.shape[1] - 1)])
+
+
+def _check_tm(t: int, m: int) -> None:
+    if not isinstance(t, (int, np.integer)) or t < 1:
+        raise FxplanError(f"sequence length t must be a positive integer, got {t!r}")
+    if not isinstance(m, (int, np.integer)) or m < 1:
+        raise FxplanError(
+            f"memory m must be a positive integer number of slots, got {m!r}; "
+            "one slot (the initial hidden state) is the least any policy can run with"
+        )
+
+
+def _alpha_beta(policy: str, alpha: int | None, beta: int | None) -> tuple[int | None, int | None]:
+    if policy in ("hsm", "ism", "chen_recursive"):
+        return None, None
+    if alpha is None:
+        raise FxplanError(
+            f"policy {policy!r} needs alpha: the size of an internal state (the activations autograd "
+            "saves for one step, input hidden state included) in units of one hidden state, e.g. alpha=5"
+        )
+    if int(alpha) != alpha or alpha < 1:
+        raise FxplanError(f"alpha must be an integer >= 1 (internal/hidden size ratio), got {alpha!r}")
+    if beta is None:
+        beta = alpha
+    if int(beta) != beta or not 1 <= beta <= alpha:
+        raise FxplanError(
+            f"beta must be an integer with 1 <= beta <= alpha={alpha} (internal state without its "
+            f"input hidden state, section 3.4; usually alpha - 1), got {beta!r}"
+        )
+    return int(alpha), int(beta)
+
+
+def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None):
+    """Fill C, D, H for the generic two-choice recurrence; see the module docstring.
+
+    ``alpha is None`` disables internal pushes except the working step y = t (HSM).
+    """
+    a_max = max(alpha or 1, beta or 1)
+    pad = a_max  # columns of INF standing for negative memory
+    # CT[pad + m, t]: memory-major so that reductions over y run along contiguous rows.
+    CT = np.full((pad + m_max + 1, t_max + 1), INF, dtype=np.int64)
+    CT[:, 0] = 0
+    DT = np.zeros((m_max + 1, t_max + 1), dtype=np.int64)
+    HT = np.zeros((m_max + 1, t_max + 1), dtype=np.int8)
+    cols = slice(pad + 1, pad + m_max + 1)  # m = 1 .. m_max
+    for t in range(1, t_max + 1):
+        # Candidates are tried in a fixed order and replaced only when strictly better: hidden before
+        # internal at y = 1, then y = 2, 3, ..., and the working step (y = t) last, so that ties go to
+        # the earlier push (the paper's Algorithm 1 keeps the first minimum, e.g. D(t, m >= t) = 1).
+        # Working step (y = t): t forwards, then the left t - 1 steps with all memory (eq. (4) at y = t).
+        work = t + CT[cols, t - 1]
+        best = np.full(m_max, INF, dtype=np.int64)
+        bd = np.zeros(m_max, dtype=np.int64)
+        bh = np.zeros(m_max, dtype=np.int8)
+        cands = []  # the y = 1 choices, which also give the bound UB
+        if t > 1 and use_hidden:
+            cands.append((1 + CT[pad + 1 : pad + m_max + 1, 1] + CT[pad : pad + m_max, t - 1], HIDDEN))
+        if t > 1 and alpha is not None:
+            cands.append((1 + CT[pad + 1 - beta : pad + m_max + 1 - beta, t - 1], INTERNAL))
+        for val, kind in cands:
+            better = val < best
+            best = np.where(better, val, best)
+            bd = np.where(better, 1, bd)
+            bh = np.where(better, kind, bh)
+        # Positions 2 .. ylim(m) can still win: Q >= t + y - 1 (each step is forwarded at least once).
+        ylim = np.minimum(np.minimum(best, work) - t + 1, t - 1)
+        ylim = np.maximum.accumulate(ylim[::-1])[::-1]  # non-increasing envelope, so chunks are prefixes
+        a = 0
+        while a < m_max and ylim[a] >= 2:
+            yl = int(ylim[a])
+            b = int(np.searchsorted(-ylim, -(yl // 2), side="right"))  # columns whose bound is > yl/2
+            b = max(b, a + 1)
+            ca, cb = pad + 1 + a, pad + 1 + b  # CT rows for m = a+1 .. b
+            ys = np.arange(2, yl + 1)
+            if use_hidden:
+                # Q1 = y + C(y, m) + C(t - y, m - 1), y = 2 .. yl (< t)
+                q = CT[ca:cb, 2 : yl + 1] + CT[ca - 1 : cb - 1, t - 2 : t - yl - 1 : -1]
+                q = q + ys
+                j = np.argmin(q, axis=1)
+                v = q[np.arange(b - a), j]
+                better = v < best[a:b]
+                best[a:b] = np.where(better, v, best[a:b])
+                bd[a:b] = np.where(better, j + 2, bd[a:b])
+                bh[a:b] = np.where(better, HIDDEN, bh[a:b])
+            if alpha is not None:
+                # Q2 = y + C(y - 1, m) + C(t - y, m - alpha), y = 2 .. yl (< t)
+                q = CT[ca:cb, 1:yl] + CT[ca - alpha : cb - alpha, t - 2 : t - yl - 1 : -1]
+                q = q + ys
+                j = np.argmin(q, axis=1)
+                v = q[np.arange(b - a), j]
+                better = v < best[a:b]
+                best[a:b] = np.where(better, v, best[a:b])
+                bd[a:b] = np.where(better, j + 2, bd[a:b])
+                bh[a:b] = np.where(better, INTERNAL, bh[a:b])
+            a = b
+        better = work < best
+        best = np.where(better, work, best)
+        bd = np.where(better, t, bd)
+        bh = np.where(better, INTERNAL, bh)
+        CT[cols, t], DT[1:, t], HT[1:, t] = np.minimum(best, INF), bd, bh
+    return CT[pad:, :].T.copy(), DT.T.copy(), HT.T.copy()
+
+
+@functools.lru_cache(maxsize=32)
+def _solve_cached(policy: str, t: int, m: int, alpha: int | None, beta: int | None) -> Policy:
+    if policy == "hsm":
+        C, D, H = _solve_dp(t, m, True, None, None)
+    elif policy == "ism":
+        C, D, H = _solve_dp(t, m, False, 1, 1)
+    else:
+        C, D, H = _solve_dp(t, m, True, alpha, beta)
+    for arr in (C, D, H):
+        arr.setflags(write=False)
+    return Policy(policy, t, m, alpha, beta, C, D, H)
+
+
+def solve(policy: str, t: int, m: int | None = None, *, alpha: int | None = None,
+          beta: int | None = None, segment: int | None = None) -> Policy:
+    """Solve ``policy`` for every length up to ``t`` and memory up to ``m``; return its tables.
+
+    ``policy`` is ``"hsm"`` (3.1, ``m`` hidden states), ``"ism"`` (3.2, ``m`` internal states),
+    ``"msm"`` (3.3, ``m`` hidden-state units, an internal state costing ``alpha`` units; with ``beta`` the
+    3.4 refinement: ``beta`` units when the input hidden state is already stored), or one of Chen et al.'s
+    baselines ``"chen_sqrt"`` (segments of ``segment`` steps, default ceil(sqrt(t)); needs ``alpha``) and
+    ``"chen_recursive"`` (bisection, log2(t) hidden states). For the baselines ``m`` may be omitted;
+    if given, a :class:`~fxplan.errors.BudgetError` says when the baseline does not fit in it.
+    """
+    if policy not in POLICIES:
+        raise FxplanError(f"unknown BPTT policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    alpha, beta = _alpha_beta(policy, alpha, beta)
+    if policy.startswith("chen"):
+        _check_tm(t, 1 if m is None else m)
+        from fxplan.bptt.schedule import simulate  # local import: schedule depends on this module
+
+        pol = _chen(policy, int(t), alpha, beta, segment)
+        need = simulate(pol, t).peak_units
+        pol = Policy(pol.name, pol.t, need, alpha, beta, pol.C, pol.D, pol.H)
+        if m is not None and need > m:
+            raise BudgetError(
+                f"{policy} needs {need} memory units for t={t} (alpha={alpha}, beta={beta}) but only "
+                f"m={m} were given; give at least {need} or use policy 'msm', which fits any m >= 1",
+                None,
+            )
+        return pol
+    if m is None:
+        raise FxplanError(f"policy {policy!r} needs the memory size m (number of slots)")
+    _check_tm(t, m)
+    return _solve_cached(policy, int(t), int(m), alpha, beta)
+
+
+def optimal_cost(policy: str, t: int, m: int, *, alpha: int | None = None, beta: int | None = None) -> int:
+    """Total forward operations of ``policy`` for ``t`` steps and memory ``m`` (see :func:`solve`).
+
+    Plain BPTT costs ``t``; e.g. ``optimal_cost("ism", 1000, 50) == 1950`` (section 3.2's 95% less
+    memory for 33% more time, counting a backward step as two forward steps).
+    """
+    return solve(policy, t, m, alpha=alpha, beta=beta).cost(t, m)
+
+
+def _chen(policy: str, t: int, alpha: int | None, beta: int | None, segment: int | None) -> Policy:
+    """Chen et al.'s schedules written as (suboptimal) policies D, H of the same recurrences (4.1).
+
+    ``chen_sqrt``: store the hidden state at every segment boundary in one pass, then back-propagate
+    each segment keeping all of its internal states. ``chen_recursive``: store the middle hidden state,
+    solve the right half, then the left half, recursively (Chen's k = 1 case, log2(t) hidden states).
+    """
+    C = np.zeros(t + 1, dtype=np.int64)
+    D = np.zeros(t + 1, dtype=np.int64)
+    H = np.zeros(t + 1, dtype=np.int8)
+    if policy == "chen_sqrt":
+        k = int(segment) if segment is not None else math.ceil(math.sqrt(t))
+        if k < 1:
+            raise FxplanError(f"segment must be >= 1, got {segment!r}")
+        for n in range(1, t + 1):
+            if n > k:  # Q1 with y = k: the next segment boundary
+                H[n], D[n], C[n] = HIDDEN, k, k + C[n - k] + C[k]
+            else:  # Q2 with y = 1: keep every internal state of the last segment
+                H[n], D[n], C[n] = INTERNAL, 1, 1 + C[n - 1]
+    else:
+        for n in range(1, t + 1):
+            if n == 1:
+                H[n], D[n], C[n] = INTERNAL, 1, 1
+            else:
+                y = n // 2
+                H[n], D[n], C[n] = HIDDEN, y, y + C[n - y] + C[y]
+    for arr in (C, D, H):
+        arr.setflags(write=False)
+    return Policy(policy, t, 0, alpha, beta, C, D, H)
