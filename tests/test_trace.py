@@ -7,7 +7,8 @@ import torchvision
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
-from fxplan import CostGraph, TraceError, trace
+from fxplan import CostGraph, TraceError
+from fxplan.trace import trace
 
 
 class Residual(nn.Module):
