@@ -8,9 +8,9 @@ decoder. Gruslys et al. (2016) plan memory for back-propagation through time ove
 Conventions:
 
 * inputs are token ids of shape ``(seq_len, batch)`` (time-major, like the example);
-* ``LSTMLanguageModel.forward(tokens, hidden=None)`` returns ``(logits, (h_n, c_n))`` with logits of shape
-  ``(seq_len, batch, vocab)`` and ``h_n, c_n`` of shape ``(layers, batch, hidden)``; ``hidden=None`` means
-  zeros;
+* ``LSTMLanguageModel.forward(tokens)`` returns ``(logits, (h_n, c_n))`` with logits of shape
+  ``(seq_len, batch, vocab)`` and ``h_n, c_n`` of shape ``(layers, batch, hidden)``, starting from zeros;
+  ``forward_from(tokens, (h_0, c_0))`` starts from a given state;
 * the core's hidden state is a *flat* tuple ``(h_0, c_0, h_1, c_1, ...)`` of ``(batch, hidden)`` tensors,
   one ``(h, c)`` pair per layer.
 
@@ -95,9 +95,18 @@ class LSTMLanguageModel(nn.Module):
         nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
         nn.init.zeros_(self.decoder.bias)
 
-    def forward(
-        self, tokens: Tensor, hidden: tuple[Tensor, Tensor] | None = None
+    def forward(self, tokens: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Logits and final ``(h_n, c_n)`` for ``tokens`` starting from a zero state.
+
+        Takes one argument so that torch.fx traces it with a single placeholder; use :meth:`forward_from`
+        to carry a state across batches (truncated BPTT).
+        """
+        return self.forward_from(tokens, None)
+
+    def forward_from(
+        self, tokens: Tensor, hidden: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Like :meth:`forward`, from the state ``hidden = (h_0, c_0)`` (``None`` means zeros)."""
         emb = self.drop(self.encoder(tokens))
         output, hidden = self.rnn(emb, hidden)
         return self.decoder(self.drop(output)), hidden
