@@ -1,0 +1,214 @@
+"""fxplan.bptt solvers and schedules against Gruslys et al. (2016) sections 3.1-3.4 and appendix A."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from fxplan.bptt import HIDDEN, INTERNAL, optimal_cost, simulate, solve
+from fxplan.errors import BudgetError, FxplanError
+
+INF = float("inf")
+
+
+# ---------------------------------------------------------------- brute force, straight from the equations
+
+
+def brute(policy: str, alpha: int | None = None, beta: int | None = None):
+    """Memoised recursion of eqs. (1)-(3) (HSM), (4)-(5) (ISM), (6)-(10) (MSM) with the stated boundaries."""
+
+    @functools.lru_cache(maxsize=None)
+    def C(t: int, m: int) -> float:
+        if t == 0:
+            return 0
+        if m <= 0:
+            return INF
+        if policy == "hsm":
+            if m == 1:
+                return t * (t + 1) // 2
+            if m >= t:
+                return 2 * t - 1
+            return min(y + C(t - y, m - 1) + C(y, m) for y in range(1, t))
+        if policy == "ism":
+            if m >= t:
+                return t
+            return min(y + C(y - 1, m) + C(t - y, m - 1) for y in range(1, t + 1))
+        # MSM: m = 1 is the minimal-memory boundary; memory never below zero; C(0, .) = 0.
+        if m == 1:
+            return t * (t + 1) // 2
+        q1 = [y + C(y, m) + C(t - y, m - 1) for y in range(1, t)]
+        q2 = [y + C(y - 1, m) + C(t - y, m - (beta if y == 1 else alpha)) for y in range(1, t)]
+        q2.append(t + C(t - 1, m))  # y = t: the pushed internal state is the one being back-propagated
+        return min(q1 + q2)
+
+    return C
+
+
+# ---------------------------------------------------------------- headline numbers
+
+
+def test_headline_ism_1000_steps_50_slots():
+    # Section 3.2: 95% less memory (50 of 1000 internal states) for 33% more time, a backward = 2 forwards.
+    cost = optimal_cost("ism", 1000, 50)
+    assert cost == 1950
+    assert 1 - 50 / 1000 == pytest.approx(0.95)
+    assert (cost + 2 * 1000) / (1000 + 2 * 1000) == pytest.approx(4 / 3, abs=0.02)
+
+
+def test_figure_3_examples():
+    # Figure 3: m = 4 hidden states, t = 4 costs 2t - 1 = 7; t = 10 costs less than 3 per step.
+    assert optimal_cost("hsm", 4, 4) == 7
+    assert optimal_cost("hsm", 10, 4) < 30
+    p = solve("hsm", 4, 4)
+    assert (p.H[4, 4], p.D[4, 4]) == (HIDDEN, 1)
+
+
+# ---------------------------------------------------------------- boundary conditions
+
+
+@pytest.mark.parametrize("policy", ["hsm", "ism", "msm"])
+def test_boundary_conditions(policy):
+    T, M, alpha = 40, 30, 3
+    kw = {"alpha": alpha} if policy == "msm" else {}
+    p = solve(policy, T, M, **kw)
+    for t in range(1, T + 1):
+        assert p.C[t, 1] == t * (t + 1) // 2
+        assert p.C[0, 1] == 0
+        for m in range(1, M + 1):
+            assert p.C[0, m] == 0
+            if policy == "hsm" and m >= t:
+                assert p.C[t, m] == 2 * t - 1
+                if t >= 2:
+                    assert p.D[t, m] == 1  # Algorithm 1, line 7
+            if policy == "ism" and m >= t:
+                assert p.C[t, m] == t
+            if policy == "msm" and m >= alpha * t:
+                assert p.C[t, m] == t
+            assert 1 <= p.D[t, m] <= t
+            if p.H[t, m] == HIDDEN:
+                assert p.D[t, m] < t  # a hidden push at y = t is meaningless (eq. (3) vs (5))
+    if policy == "ism":
+        assert (p.H[1:, 1:] == INTERNAL).all()
+
+
+def test_beta_boundary():
+    p = solve("msm", 30, 100, alpha=4, beta=3)
+    for t in range(1, 31):
+        assert p.C[t, 1] == t * (t + 1) // 2
+        # 3.4: a chain of internal states needs beta per state after the first hidden one.
+        assert p.C[t, min(100, 1 + 3 * (t - 1))] == t
+
+
+# ---------------------------------------------------------------- optimality against brute force
+
+
+@pytest.mark.parametrize(
+    "policy,alpha,beta",
+    [("hsm", None, None), ("ism", None, None), ("msm", 2, 2), ("msm", 3, 3), ("msm", 3, 2), ("msm", 5, 4)],
+)
+def test_matches_brute_force(policy, alpha, beta):
+    T, M = 24, 14
+    p = solve(policy, T, M, alpha=alpha, beta=beta)
+    C = brute(policy, alpha, beta)
+    got = p.C[: T + 1, : M + 1]
+    want = np.array([[C(t, m) if m else (0 if t == 0 else INF) for m in range(M + 1)] for t in range(T + 1)])
+    finite = np.isfinite(want)
+    assert (finite[:, 1:]).all()
+    np.testing.assert_array_equal(got[:, 1:], want[:, 1:].astype(np.int64))
+    for t in (1, 7, 24):
+        for m in (1, 3, 14):
+            assert optimal_cost(policy, t, m, alpha=alpha, beta=beta) == C(t, m)
+
+
+def test_upper_bound_appendix_b():
+    # Proposition 1: C(t, m) <= m t^(1 + 1/m) for BPTT-HSM.
+    p = solve("hsm", 300, 12)
+    for t in range(1, 301):
+        for m in range(1, 13):
+            assert p.C[t, m] <= m * t ** (1 + 1 / m) + 1e-9
+
+
+# ---------------------------------------------------------------- comparisons between the policies
+
+
+def test_msm_never_worse_than_hsm_or_ism():
+    T, alpha = 400, 5
+    hsm = solve("hsm", T, 60)
+    ism = solve("ism", T, 12)
+    msm = solve("msm", T, 60, alpha=alpha)
+    msm_b = solve("msm", T, 60, alpha=alpha, beta=alpha - 1)
+    t = np.arange(1, T + 1)
+    # Equal memory in hidden-state units (Figure 6): m hidden states, or m / alpha internal states.
+    assert (msm.C[1:, 1:] <= hsm.C[1:, 1:]).all()
+    for k in range(1, 13):
+        assert (msm.C[t, alpha * k] <= ism.C[t, k]).all()
+        # The same with the executor's byte model: ISM's k internal states and h0 equal MSM's
+        # (k - 1) * alpha + 1 units plus the working step.
+        assert (msm.C[t, (k - 1) * alpha + 1] <= ism.C[t, k]).all()
+    assert (msm_b.C <= msm.C).all()  # 3.4 only removes duplicated hidden states
+    # For long sequences hidden states win, for short ones internal states win (section 3.6).
+    assert hsm.C[400, 50] < ism.C[400, 10]
+    assert ism.C[100, 10] < hsm.C[100, 50]
+
+
+def test_cost_monotone_in_memory_and_length():
+    for pol, kw in (("hsm", {}), ("ism", {}), ("msm", {"alpha": 3, "beta": 2})):
+        p = solve(pol, 80, 40, **kw)
+        C = p.C[1:, 1:]
+        assert (np.diff(C, axis=1) <= 0).all()
+        assert (np.diff(C, axis=0) > 0).all()
+
+
+def test_chen_baselines_and_optimality():
+    # Section 4.1: Chen's schedules are policies of the same recurrences, so MSM is at least as good.
+    alpha, beta = 6, 5
+    for t in (10, 64, 100, 250):
+        sq = solve("chen_sqrt", t, alpha=alpha, beta=beta)
+        k = math.ceil(math.sqrt(t))
+        last = t - k * ((t - 1) // k)
+        assert sq.cost() == 2 * t - last  # one forward pass to the last segment, then every step once
+        assert optimal_cost("msm", t, sq.m, alpha=alpha, beta=beta) <= sq.cost()
+        rec = solve("chen_recursive", t)
+        assert rec.m <= math.ceil(math.log2(t)) + 1
+        assert optimal_cost("hsm", t, rec.m) <= rec.cost()
+    with pytest.raises(BudgetError, match="needs"):
+        solve("chen_sqrt", 100, 3, alpha=2)
+
+
+# ---------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("policy,kw", [("hsm", {}), ("ism", {}), ("msm", {"alpha": 3}),
+                                        ("msm", {"alpha": 4, "beta": 3})])
+def test_schedule_cost_and_memory(policy, kw):
+    p = solve(policy, 30, 12, **kw)
+    for t in range(1, 31):
+        for m in range(1, 13):
+            s = simulate(p, t, m)
+            assert s.forward_ops == p.C[t, m]
+            assert s.peak_units <= m
+
+
+def test_schedule_large_is_fast_enough_and_valid():
+    p = solve("msm", 1000, 100, alpha=5, beta=4)
+    s = simulate(p, 1000, 100)
+    assert s.forward_ops == p.C[1000, 100] and s.peak_units <= 100
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_arguments():
+    with pytest.raises(FxplanError, match="unknown BPTT policy"):
+        solve("revolve", 10, 3)
+    with pytest.raises(FxplanError, match="positive integer"):
+        optimal_cost("hsm", 10, 0)
+    with pytest.raises(FxplanError, match="positive integer"):
+        optimal_cost("hsm", 0, 3)
+    with pytest.raises(FxplanError, match="needs alpha"):
+        optimal_cost("msm", 10, 3)
+    with pytest.raises(FxplanError, match="beta"):
+        optimal_cost("msm", 10, 3, alpha=2, beta=3)
