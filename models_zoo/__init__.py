@@ -58,7 +58,8 @@ _ENTRIES: dict[str, ZooEntry] = {
             check_size=unet_output_size,
         ),
         ZooEntry(
-            "pspnet", 2, 713, 385, "PSPNet, dilated ResNet-101 (deep stem), PPM bins 1-2-3-6, aux head, 21 classes",
+            "pspnet", 2, 713, 385,
+            "PSPNet, dilated ResNet-101 (deep stem), PPM bins 1-2-3-6, aux head, 21 classes",
             PSPNet, weighted_cross_entropy(0.4), kind="segmentation", min_batch=2,
         ),
         ZooEntry(
