@@ -129,11 +129,22 @@ class _Runner:
             )
         self.checked = True
 
-    def call(self, p: int, h: list[torch.Tensor]):
-        """One forward step p (1-based) from hidden leaves h; returns (y, flat h_next)."""
+    def _core(self, p: int, x: Any, h: list[torch.Tensor]):
         self.calls += 1
         with self._rng(p):
-            out = self.core(self._x(p), _unflatten(h, self.spec))
+            if self.checked:
+                return self.core(x, _unflatten(h, self.spec))
+            try:
+                return self.core(x, _unflatten(h, self.spec))
+            except Exception as e:  # first call only: most likely h0 or inputs do not fit the core
+                raise FxplanError(
+                    f"core(inputs[{p - 1}], h0) failed with {type(e).__name__}: {e}. Check that h0 (shapes "
+                    f"{[tuple(x.shape) for x in self.h0_leaves]}) and inputs[t] are what the core expects."
+                ) from e
+
+    def call(self, p: int, h: list[torch.Tensor]):
+        """One forward step p (1-based) from hidden leaves h; returns (y, flat h_next)."""
+        out = self._core(p, self._x(p), h)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise FxplanError("core(x_t, h) must return a pair (y_t, h_next)")
         leaves, _ = _flatten(out[1], "h_next returned by the core")
@@ -155,9 +166,7 @@ class _Runner:
             x_leaf = x.detach().requires_grad_(True)
         with torch.enable_grad():
             if x_leaf is not None:
-                self.calls += 1
-                with self._rng(p):
-                    out = self.core(x_leaf, _unflatten(h_in, self.spec))
+                out = self._core(p, x_leaf, h_in)
                 if not (isinstance(out, (tuple, list)) and len(out) == 2):
                     raise FxplanError("core(x_t, h) must return a pair (y_t, h_next)")
                 y, h_out = out[0], _flatten(out[1], "h_next returned by the core")[0]
