@@ -1,0 +1,412 @@
+"""Plan segments → a drop-in ``torch.fx.GraphModule`` that recomputes what the plan drops.
+
+:func:`segment_module` implements the canonical strategy of Kusumoto et al. (section 3) for a given
+increasing sequence of lower sets ``L_1 ≺ … ≺ L_k = V``, passed as the blocks ``V_i = L_i \\ L_{i-1}``:
+
+* the graph is reordered so that each block is contiguous, and each block becomes one function,
+  ``self.segment_i(...)``, whose inputs are the values it reads from earlier blocks (or the model's
+  inputs) and whose outputs are the values later blocks or the model's output read (``∂(L_i)``);
+* every block but the last runs under recomputation (:class:`fxplan.recompute.Segment`), so only the
+  boundary values are kept through the forward, and backward recomputes the rest block by block;
+* FX's code generation drops each value after its last use, in the top-level function and in every
+  segment.
+
+Where the data graph is not the whole story (see :mod:`fxplan.effects`):
+
+* an in-place op whose overwritten value is read by a recomputation (it is an input of a recomputed
+  segment that runs no later than the op), or that the plan moves across a reader of the old value,
+  gets a private copy of its operand first (``x_copy = x.clone()`` before ``self.relu(x_copy)``):
+  the same values, dtypes and gradients as the in-place op, with the memory of the out-of-place one.
+  Readers after the op are redirected to its result, so they still see the new value;
+* random ops must stay in program order (otherwise they would draw different numbers than the
+  original model): a plan that reorders two of them is rejected.
+
+Exactness: with the same inputs, outputs and parameter gradients are bitwise equal to the original's
+on the CPU when the plan keeps the program order (contiguous blocks of a topological order), because
+the autograd graph is the same up to identity-gradient copy nodes. A plan that reorders nodes can
+change the order in which the autograd engine sums three or more gradient contributions to one value
+(a tensor or tied weight used three or more times), which changes results in the last bits.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxplan import effects
+from fxplan.errors import FxplanError
+from fxplan.recompute import Segment
+
+_LAST = 1 << 30  # segment index of the output node
+
+
+def copy_for_inplace(x: Any) -> Any:
+    """A private copy of ``x`` for an in-place op to overwrite (non-tensors are returned as is)."""
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+class SegmentedModule(fx.GraphModule):
+    """The rewritten model: calls one :class:`~fxplan.recompute.Segment` per block of the plan.
+
+    It owns the original module tree under the original names (same ``state_dict`` keys as the
+    traced module); its segments only reference it. ``print(m.code)`` shows the calls,
+    ``print(m.segment_0.code)`` a block, and :meth:`readable` everything.
+    """
+
+    fxplan_segments: tuple[tuple[str, ...], ...]
+
+    def segment_modules(self) -> list[Segment]:
+        """The segments, in execution order."""
+        return [getattr(self, name) for name in self._fxplan_segment_names]
+
+    def readable(self) -> str:
+        """The top-level code followed by each segment's code."""
+        parts = [f"# {self._get_name()}.forward{self.code}"]
+        for name in self._fxplan_segment_names:
+            seg = getattr(self, name)
+            tag = "recomputed in backward" if seg.fxplan_recompute else "kept for backward"
+            parts.append(f"# self.{name} ({tag}){seg.code}")
+        return "\n".join(parts)
+
+    def _state_holder(self) -> torch.nn.Module:
+        holder = torch.nn.Module()
+        segs = set(self._fxplan_segment_names)
+        holder.__dict__["_modules"] = {k: v for k, v in self._modules.items() if k not in segs}
+        holder.__dict__["_parameters"] = dict(self._parameters)
+        holder.__dict__["_buffers"] = dict(self._buffers)
+        holder.__dict__["_non_persistent_buffers_set"] = set(self._non_persistent_buffers_set)
+        for k, v in self._fxplan_extra_attrs.items():
+            holder.__dict__[k] = v
+        holder.training = self.training
+        return holder
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SegmentedModule:
+        holder = copy.deepcopy(self._state_holder(), memo)
+        graph = copy.deepcopy(self._fxplan_graph)
+        new = segment_module(_graph_module(holder, graph, self._get_name()), self.fxplan_segments)
+        memo[id(self)] = new
+        return new
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        holder = self._state_holder()
+        gm = _graph_module(holder, copy.deepcopy(self._fxplan_graph), self._get_name())
+        return (_rebuild, (holder, gm, self.fxplan_segments))
+
+
+def _rebuild(holder: torch.nn.Module, gm: fx.GraphModule, segments: Any) -> SegmentedModule:
+    return segment_module(_graph_module(holder, gm.graph, gm._get_name()), segments)
+
+
+def _graph_module(holder: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
+    """A GraphModule running ``graph`` that owns *all* of ``holder``'s state, not only what it uses."""
+    gm = fx.GraphModule(holder, graph, class_name)
+    gm.training = holder.training
+    gm.__dict__["_modules"] = dict(holder._modules)
+    gm.__dict__["_parameters"] = dict(holder._parameters)
+    gm.__dict__["_buffers"] = dict(holder._buffers)
+    gm.__dict__["_non_persistent_buffers_set"] = set(holder._non_persistent_buffers_set)
+    return gm
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _validate(gm: fx.GraphModule, segments: Sequence[Sequence[str]]) -> list[list[str]]:
+    if not isinstance(gm, fx.GraphModule):
+        raise FxplanError(
+            f"segment_module needs a torch.fx.GraphModule, got {type(gm).__name__}; "
+            "trace the model first (torch.fx.symbolic_trace(model))"
+        )
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+        raise FxplanError("segments must be a list of lists of node names")
+    plan = []
+    for i, seg in enumerate(segments):
+        if isinstance(seg, (str, bytes)) or not isinstance(seg, Sequence):
+            raise FxplanError(f"segment {i} must be a list of node names, got {seg!r}")
+        if len(seg) == 0:
+            raise FxplanError(f"segment {i} is empty; drop it from the plan")
+        plan.append([str(v) for v in seg])
+    if not plan:
+        raise FxplanError("the plan has no segments; pass at least one (all compute nodes)")
+    compute = [n.name for n in gm.graph.nodes if effects.is_compute(n)]
+    names = {n.name: n for n in gm.graph.nodes}
+    seen: dict[str, int] = {}
+    for i, seg in enumerate(plan):
+        for v in seg:
+            if v not in names:
+                raise FxplanError(f"segment {i} names {v!r}, which is not a node of the graph")
+            if not effects.is_compute(names[v]):
+                raise FxplanError(
+                    f"segment {i} names {v!r}, a {names[v].op} node; segments list only compute "
+                    "nodes (call_module, call_function, call_method)"
+                )
+            if v in seen:
+                raise FxplanError(f"node {v!r} appears in segments {seen[v]} and {i}; list it once")
+            seen[v] = i
+    missing = [v for v in compute if v not in seen]
+    if missing:
+        raise FxplanError(
+            f"the plan leaves out {len(missing)} compute node(s), e.g. {missing[:5]}; "
+            "every compute node must be in exactly one segment"
+        )
+    for n in gm.graph.nodes:
+        if n.name in seen:
+            for u in n.all_input_nodes:
+                if u.name in seen and seen[u.name] > seen[n.name]:
+                    raise FxplanError(
+                        f"node {n.name!r} in segment {seen[n.name]} uses {u.name!r} from later "
+                        f"segment {seen[u.name]}; segments must be in execution order "
+                        "(each union of the first i segments a lower set)"
+                    )
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# in-place ops and random ops
+
+
+class _Rewrite:
+    """The plan applied to a private copy of the graph: segment of each node, copies, redirects."""
+
+    def __init__(self, gm: fx.GraphModule, plan: list[list[str]]):
+        self.gm = gm
+        self.graph = copy.deepcopy(gm.graph)
+        by_name = {n.name: n for n in self.graph.nodes}
+        self.seg: dict[fx.Node, int] = {}
+        for i, names in enumerate(plan):
+            for v in names:
+                self.seg[by_name[v]] = i
+        self.k = len(plan)
+
+    def seg_of(self, node: fx.Node) -> int:
+        if node.op == "output":
+            return _LAST
+        return self.seg.get(node, -1)  # placeholders and attributes: available everywhere
+
+    def fix_inplace(self) -> None:
+        """Copy the operand of each in-place op that recomputation or the plan's order would break."""
+        for n in list(self.graph.nodes):
+            if not effects.is_compute(n):
+                continue
+            where = effects.mutated_position(n, self.gm)
+            a = effects.mutated_arg(n, self.gm)
+            if where is None or a is None:
+                continue
+            pos = {v: i for i, v in enumerate(self.graph.nodes)}
+            roots = effects.alias_roots(self.graph, self.gm)
+            if roots[a].op == "get_attr":
+                continue  # a module attribute updated in place: the buffer guard's business
+            members = [m for m in self.graph.nodes if roots[m] is roots[a]]
+            s = self.seg_of(n)
+            if not (self._read_by_recompute(members, s) or self._reordered(members, n, pos)):
+                continue
+            self._copy_operand(n, a, where, members, pos)
+
+    def _read_by_recompute(self, members: list[fx.Node], s: int) -> bool:
+        for m in members:
+            for r in m.users:
+                k = self.seg_of(r)
+                if k <= s and k < self.k - 1 and k != self.seg_of(m):
+                    return True
+        return False
+
+    def _reordered(self, members: list[fx.Node], n: fx.Node, pos: dict[fx.Node, int]) -> bool:
+        s = self.seg_of(n)
+        for m in members:
+            for r in m.users:
+                if r is n:
+                    continue
+                if pos[r] < pos[n] and self.seg_of(r) > s:
+                    return True
+                if pos[r] > pos[n] and self.seg_of(r) < s:
+                    return True
+        return False
+
+    def _copy_operand(self, n, a, where, members, pos) -> None:
+        later = [r for m in members for r in m.users if r is not n and pos[r] > pos[n]]
+        for r in later:
+            for u in r.all_input_nodes:
+                if u in members and u is not a and pos[u] < pos[n]:
+                    raise FxplanError(
+                        f"{r.name!r} reads {u.name!r}, an alias of {a.name!r}, after in-place op "
+                        f"{n.name!r} overwrote it, and the plan needs {n.name!r} made "
+                        "out-of-place; keep these nodes in one segment or write the model "
+                        "without the in-place op"
+                    )
+        s = self.seg_of(n)
+        for r in later:
+            if a in r.all_input_nodes:
+                if self.seg_of(r) < s:
+                    raise FxplanError(
+                        f"{r.name!r} (segment {self.seg_of(r)}) reads {a.name!r} after in-place op "
+                        f"{n.name!r} (segment {s}) overwrote it; the plan must not put "
+                        f"{r.name!r} in an earlier segment (see fxplan.effects.ordering_edges)"
+                    )
+                r.replace_input_with(a, n)
+        with self.graph.inserting_before(n):
+            if n.op == "call_function" and n.target in effects.INPLACE_OPERATORS:
+                op, target = "call_function", copy_for_inplace
+            else:
+                op, target = "call_method", "clone"
+            c = self.graph.create_node(op, target, (a,), {}, name=f"{a.name}_copy")
+        self.seg[c] = s
+        kind, key = where
+        if kind == "arg":
+            n.update_arg(key, c)
+        else:
+            n.update_kwarg(key, c)
+
+    def check_random_order(self) -> None:
+        last: fx.Node | None = None
+        for n in self.graph.nodes:
+            if effects.is_compute(n) and effects.is_random(n, self.gm):
+                if last is not None and self.seg_of(n) < self.seg_of(last):
+                    raise FxplanError(
+                        f"the plan runs random op {n.name!r} (segment {self.seg_of(n)}) before "
+                        f"{last.name!r} (segment {self.seg_of(last)}), which precedes it in the "
+                        "model; they would draw different random numbers. Keep random ops in "
+                        "program order (see fxplan.effects.ordering_edges)"
+                    )
+                last = n
+
+
+# ----------------------------------------------------------------------------------------------
+# code generation
+
+
+def _segment_name(gm: torch.nn.Module, i: int) -> str:
+    for prefix in ("segment_", "fxplan_segment_", "_fxplan_segment_"):
+        if not hasattr(gm, f"{prefix}{i}"):
+            return f"{prefix}{i}"
+    raise FxplanError(f"cannot find a free attribute name for segment {i}")
+
+
+def segment_module(
+    gm: fx.GraphModule, segments: Sequence[Sequence[str]]
+) -> SegmentedModule:
+    """Rewrite ``gm`` so that it runs ``segments`` as the canonical strategy prescribes.
+
+    ``gm`` is a traced model (``torch.fx.symbolic_trace(model)``); ``segments`` lists the names of
+    all its compute nodes, each exactly once, block by block in execution order (no node may use a
+    node of a later block). Every block but the last is recomputed in backward. The result shares
+    the original modules and parameters with ``gm`` (and so with the traced model), has the same
+    ``state_dict`` keys, and trains exactly like it (see the module docstring for the fine print).
+
+    Raises :class:`~fxplan.errors.FxplanError` for plans that are not such a sequence, or that
+    would change what the model computes (random ops reordered, a read moved before the in-place
+    op it must follow).
+    """
+    plan = _validate(gm, segments)
+    rw = _Rewrite(gm, plan)
+    rw.fix_inplace()
+    rw.check_random_order()
+    graph = rw.graph
+    nodes = list(graph.nodes)
+    pos = {v: i for i, v in enumerate(nodes)}
+    output = next(n for n in nodes if n.op == "output")
+    k = rw.k
+
+    blocks: list[list[fx.Node]] = [[] for _ in range(k)]
+    for v in nodes:
+        if v in rw.seg:
+            blocks[rw.seg[v]].append(v)
+
+    top = fx.Graph()
+    top._codegen = copy.deepcopy(graph._codegen)
+    env: dict[fx.Node, fx.Node] = {}
+    for v in nodes:
+        if v.op == "placeholder":
+            env[v] = top.node_copy(v)
+
+    seg_modules: dict[str, Segment] = {}
+    for i, block in enumerate(blocks):
+        members = set(block)
+        inputs = sorted(
+            {u for v in block for u in v.all_input_nodes if u not in members and u.op != "get_attr"},
+            key=pos.__getitem__,
+        )
+        outputs = [v for v in block if any(u not in members for u in v.users)]
+        sg = fx.Graph()
+        senv: dict[fx.Node, fx.Node] = {}
+        for u in inputs:
+            senv[u] = sg.placeholder(u.name)
+        targets: list[str] = []
+        attr_targets: list[str] = []
+        for v in block:
+            for u in v.all_input_nodes:
+                if u.op == "get_attr" and u not in senv:
+                    senv[u] = sg.node_copy(u)
+                    attr_targets.append(str(u.target))
+            senv[v] = sg.node_copy(v, lambda x: senv[x])
+            if v.op == "call_module" and str(v.target) not in targets:
+                targets.append(str(v.target))
+        if len(outputs) == 1:
+            sg.output(senv[outputs[0]])
+        else:
+            sg.output(tuple(senv[o] for o in outputs))
+        name = _segment_name(gm, i)
+        seg = Segment(
+            gm,
+            sg,
+            f"Segment{i}",
+            recompute=i < k - 1,
+            targets=targets,
+            attr_targets=attr_targets,
+        )
+        seg_modules[name] = seg
+        args = tuple(env[u] for u in inputs)
+        if len(outputs) == 1:
+            env[outputs[0]] = top.create_node("call_module", name, args, {}, name=outputs[0].name)
+        else:
+            call = top.create_node("call_module", name, args, {}, name=name)
+            for j, o in enumerate(outputs):
+                env[o] = top.create_node(
+                    "call_function", operator.getitem, (call, j), {}, name=o.name
+                )
+
+    for u in output.all_input_nodes:
+        if u.op == "get_attr" and u not in env:
+            env[u] = top.node_copy(u)
+    top.output(fx.node.map_arg(output.args[0], lambda x: env[x]), type_expr=output.type)
+    top.lint()
+
+    root: dict[str, Any] = dict(seg_modules)
+    for u in top.nodes:
+        if u.op == "get_attr":
+            root[str(u.target)] = _resolve(gm, str(u.target))
+    out = SegmentedModule(root, top, gm._get_name())
+    # Own the original module tree, parameters and buffers under their original names.
+    out.__dict__["_modules"] = {**gm._modules, **seg_modules}
+    out.__dict__["_parameters"] = dict(gm._parameters)
+    out.__dict__["_buffers"] = dict(gm._buffers)
+    out.__dict__["_non_persistent_buffers_set"] = set(gm._non_persistent_buffers_set)
+    extra = {}
+    for u in gm.graph.nodes:
+        if u.op in ("get_attr", "call_module"):
+            atom = str(u.target).split(".")[0]
+            if atom not in out._modules and atom not in out._parameters and atom not in out._buffers:
+                if atom in gm.__dict__:
+                    extra[atom] = gm.__dict__[atom]
+    out.__dict__.update(extra)
+    out._fxplan_extra_attrs = extra
+    out._fxplan_segment_names = list(seg_modules)
+    out._fxplan_graph = copy.deepcopy(gm.graph)
+    out.fxplan_segments = tuple(tuple(s) for s in plan)
+    out.training = gm.training  # not .train(): leave the submodules' own modes alone
+    for seg in seg_modules.values():
+        seg.training = gm.training
+        seg._set_owner(out)
+    return out
+
+
+def _resolve(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj

@@ -1,0 +1,233 @@
+"""Side effects of torch.fx nodes that a recomputing rewriter must respect.
+
+A recomputation plan (Kusumoto et al., section 3) is an increasing sequence of lower sets of the
+*data* graph. Two kinds of effects are invisible in data edges and matter once segments are re-run:
+
+* **in-place ops** (``ReLU(inplace=True)``, ``operator.iadd``, ``x.add_(y)``, ``F.relu(x, inplace=True)``)
+  change a value that other nodes, or a later recomputation, may read again;
+* **random ops** (dropout, ``torch.rand``...) draw from the global generator, so their order decides
+  which numbers each one gets.
+
+This module only *classifies* nodes (what does a node mutate, which value does it alias, does it draw
+random numbers); :mod:`fxplan.codegen` decides what to do about it. It also offers
+:func:`ordering_edges`, the extra edges a planner should add to its cost graph so that every plan it
+finds keeps random draws and reads-after-mutation in program order.
+
+The classification is deliberately conservative where it is cheap to be (a node that *may* return a
+view of its input is treated as an alias) and name-based where nothing else is possible (a leaf
+module's inside is opaque at module granularity).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+COMPUTE_OPS = ("call_module", "call_function", "call_method")
+
+#: ``operator`` in-place functions (``a += b`` traced on a non-proxy, or written explicitly).
+INPLACE_OPERATORS = frozenset(
+    {
+        operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+        operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+        operator.ilshift, operator.irshift, operator.imatmul,
+    }
+)
+
+#: Tensor methods ending in ``_`` that do not write tensor data.
+_NOT_DATA_INPLACE_METHODS = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
+
+#: Methods / functions that may return a view of (or the very same tensor as) their first input.
+VIEW_METHODS = frozenset(
+    {
+        "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "transpose", "permute",
+        "t", "T", "mT", "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "select",
+        "chunk", "split", "tensor_split", "unbind", "as_strided", "contiguous", "detach",
+        "diagonal", "unfold", "movedim", "moveaxis", "swapaxes", "swapdims", "real", "imag",
+        "__getitem__", "type_as", "to", "float", "double", "half", "bfloat16", "cpu", "cuda",
+    }
+)
+VIEW_FUNCTIONS = frozenset(
+    {
+        torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.squeeze,
+        torch.unsqueeze, torch.narrow, torch.select, torch.chunk, torch.split, torch.unbind,
+        torch.t, torch.movedim, torch.diagonal, torch.detach, torch.tensor_split,
+        torch.swapaxes, torch.as_strided, operator.getitem,
+    }
+)
+VIEW_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
+
+#: Functions and methods that draw from the random number generator.
+RANDOM_FUNCTIONS = frozenset(
+    {
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+        F.feature_alpha_dropout, F.rrelu, F.gumbel_softmax, torch.dropout, torch.bernoulli,
+        torch.rand, torch.rand_like, torch.randn, torch.randn_like, torch.randint,
+        torch.randint_like, torch.randperm, torch.normal, torch.poisson, torch.multinomial,
+        torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+        torch.dropout_, torch.alpha_dropout_, torch.feature_dropout_, F.rrelu_,
+    }
+)
+RANDOM_METHODS = frozenset(
+    {
+        "bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_",
+        "geometric_", "cauchy_", "log_normal_", "multinomial",
+    }
+)
+RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
+
+
+def is_compute(node: fx.Node) -> bool:
+    """True for the nodes a plan partitions (everything but placeholders, attributes and output)."""
+    return node.op in COMPUTE_OPS
+
+
+def _module(gm: torch.nn.Module, target: str) -> torch.nn.Module | None:
+    try:
+        return gm.get_submodule(target)
+    except AttributeError:
+        return None
+
+
+def mutated_position(node: fx.Node, gm: torch.nn.Module) -> tuple[str, int | str] | None:
+    """Where the argument a node overwrites in place sits: ``("arg", i)``, ``("kwarg", name)`` or None.
+
+    Recognised: modules with ``inplace=True`` (ReLU, Dropout, Hardtanh, ...), ``operator.i*``,
+    ``torch.*_`` functions (``torch.relu_``), functions called with ``inplace=True`` (``F.relu``),
+    and tensor methods ending in a single underscore (``x.add_``), all of which overwrite their
+    first tensor argument.
+    """
+    if node.op == "call_module":
+        mod = _module(gm, str(node.target))
+        if mod is not None and getattr(mod, "inplace", False) is True and node.args:
+            return ("arg", 0)
+        return None
+    if node.op == "call_method":
+        name = str(node.target)
+        if (
+            name.endswith("_") and not name.endswith("__") and name not in _NOT_DATA_INPLACE_METHODS
+        ) or name in ("__iadd__", "__isub__", "__imul__", "__itruediv__"):
+            return ("arg", 0)
+        return None
+    if node.op == "call_function":
+        fn = node.target
+        if fn in INPLACE_OPERATORS:
+            return ("arg", 0)
+        name = getattr(fn, "__name__", "")
+        if (
+            name.endswith("_") and not name.endswith("__") and getattr(fn, "__module__", "") in
+            ("torch", "torch._C._VariableFunctions", "torch.nn.functional", "torch._C._nn")
+        ):
+            return ("arg", 0)
+        if node.kwargs.get("inplace") is True:
+            return ("arg", 0) if node.args else ("kwarg", "input")
+        try:
+            bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+        except (TypeError, ValueError):
+            return None
+        if bound.arguments.get("inplace") is True:
+            first = next(iter(bound.arguments))
+            return ("arg", 0) if node.args else ("kwarg", first)
+    return None
+
+
+def mutated_arg(node: fx.Node, gm: torch.nn.Module) -> fx.Node | None:
+    """The node whose value ``node`` overwrites in place, or None (see :func:`mutated_position`)."""
+    pos = mutated_position(node, gm)
+    if pos is None:
+        return None
+    kind, key = pos
+    value = node.args[key] if kind == "arg" else node.kwargs.get(key)  # type: ignore[index]
+    return value if isinstance(value, fx.Node) else None
+
+
+def view_source(node: fx.Node, gm: torch.nn.Module) -> fx.Node | None:
+    """The input ``node`` may return an alias of (a view, or the same tensor), or None.
+
+    In-place ops alias the value they overwrite; view ops, ``getitem``, ``Identity``/``Flatten``
+    and dropout (which returns its input unchanged in eval mode or with p=0) alias their input.
+    """
+    mutated = mutated_arg(node, gm)
+    if mutated is not None:
+        return mutated
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if node.op == "call_method" and node.target in VIEW_METHODS:
+        return first
+    if node.op == "call_function" and node.target in VIEW_FUNCTIONS:
+        return first
+    if node.op == "call_module":
+        mod = _module(gm, str(node.target))
+        if isinstance(mod, VIEW_MODULES + (nn.modules.dropout._DropoutNd,)):
+            return first
+    return None
+
+
+def is_random(node: fx.Node, gm: torch.nn.Module) -> bool:
+    """True if running ``node`` may draw from the random number generator.
+
+    Leaf modules count when they contain a dropout-like module or carry a non-zero ``dropout``
+    attribute (``nn.MultiheadAttention``, ``nn.LSTM``, ``nn.TransformerEncoderLayer``).
+    """
+    if node.op == "call_module":
+        mod = _module(gm, str(node.target))
+        if mod is None:
+            return False
+        for sub in mod.modules():
+            if isinstance(sub, RANDOM_MODULES):
+                return True
+            p = getattr(sub, "dropout", 0.0)
+            if isinstance(p, float) and p > 0.0:
+                return True
+        return False
+    if node.op == "call_method":
+        return str(node.target) in RANDOM_METHODS
+    if node.op == "call_function":
+        return node.target in RANDOM_FUNCTIONS
+    return False
+
+
+def alias_roots(graph: fx.Graph, gm: torch.nn.Module) -> dict[fx.Node, fx.Node]:
+    """Map every node to the node that owns the storage it may alias (itself if fresh)."""
+    root: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        src = view_source(node, gm) if is_compute(node) else None
+        root[node] = root.get(src, src) if src is not None else node
+    return root
+
+
+def ordering_edges(gm: fx.GraphModule) -> list[tuple[str, str]]:
+    """Program-order constraints between compute nodes that data edges do not express.
+
+    * consecutive random ops: ``(r_i, r_{i+1})``, so random draws keep their order;
+    * an in-place op ``n`` and every later reader of a value it overwrote: ``(n, r)``, so readers
+      that expect the overwritten value stay after it.
+
+    A planner that adds these edges to its cost graph only produces plans that
+    :func:`fxplan.codegen.segment_module` accepts. (Readers *before* an in-place op need no edge:
+    the rewriter copies the value first when a plan moves such a reader past the op.)
+    """
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    root = alias_roots(gm.graph, gm)
+    edges: list[tuple[str, str]] = []
+    randoms = [n for n in nodes if is_compute(n) and is_random(n, gm)]
+    edges += [(a.name, b.name) for a, b in zip(randoms, randoms[1:])]
+    for n in nodes:
+        if not is_compute(n):
+            continue
+        a = mutated_arg(n, gm)
+        if a is None:
+            continue
+        members = [m for m in nodes if root[m] is root[a]]
+        for m in members:
+            for r in m.users:
+                if is_compute(r) and pos[r] > pos[n] and (n.name, r.name) not in edges:
+                    edges.append((n.name, r.name))
+    return edges

@@ -1,0 +1,237 @@
+"""The runtime of a recomputed segment: checkpointing, buffer guard, random state.
+
+One :class:`Segment` runs one block ``V_i = L_i \\ L_{i-1}`` of the canonical strategy (Kusumoto et al.,
+section 3): in training with grad enabled, every segment but the last runs under non-reentrant
+``torch.utils.checkpoint.checkpoint``: its forward keeps only the segment's inputs (the cache of
+``∂(L_{i-1})``), and backward re-runs the segment to recover the values it needs ("recover the required
+forward values for the nodes V_i based on the cache of ∂(L_{i-1})"). In ``eval()`` mode or under
+``torch.no_grad()`` a segment is a plain function call: no checkpoint machinery at all.
+
+Exactness, and how it is kept:
+
+* **Random ops** draw the same numbers in the forward and in the recomputation: checkpoint saves the
+  CPU (and device) generator state before the forward of the segment and restores it, forked, for the
+  recomputation, so the global generator continues exactly as in an un-checkpointed step.
+  (:mod:`fxplan.codegen` makes sure random ops keep their program order, so the draws also equal
+  those of the original model.)
+* **Buffers** are never mutated by a recomputation (:class:`BufferGuard`). BatchNorm in training
+  mode updates ``running_mean``, ``running_var`` and ``num_batches_tracked`` in its forward; re-running
+  it would update them twice. During a recomputation each buffer that the segment's forward mutates
+  is swapped for a private copy of the value it had *before* that forward, so the recomputation
+  replays the forward exactly (same outputs bitwise: a training-mode BatchNorm normalises with batch
+  statistics) and its updates land in the copy, which is then dropped.
+* **Autocast** state is recorded by checkpoint and re-applied in the recomputation.
+
+Segments hold no parameters, buffers or submodules of their own: attribute look-ups the generated
+code makes (``self.layer1``) are forwarded to the owning module, which holds the original module tree
+under its original names, so ``state_dict`` keys do not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
+
+#: Modules whose training-mode forward is known to update their own buffers.
+STATEFUL_NORMS = (torch.nn.modules.batchnorm._NormBase,)
+
+
+class BufferGuard:
+    """Keeps one checkpointed forward's buffer mutations out of its recomputation.
+
+    Created just before the segment's forward. ``slots`` are ``(key, module, name)`` for every buffer
+    the segment can reach; ``known`` are the keys of buffers expected to be mutated (BatchNorm
+    buffers, and buffers seen mutated in earlier steps): their values are copied before the forward.
+    :meth:`finish` (after the forward) records which buffers the forward really mutated. The
+    recomputation context (second element of :meth:`contexts`) swaps each of them for a fresh copy of
+    its pre-forward value and puts the real buffer back afterwards, so the real buffers are untouched,
+    not even their version counters.
+    """
+
+    def __init__(self, slots: list[tuple[str, torch.nn.Module, str]], known: set[str]):
+        self.slots = slots
+        self.before = [_version(mod._buffers[name]) for _, mod, name in slots]
+        self.snapshot: dict[int, torch.Tensor] = {}
+        self.known: list[int] = []
+        for i, (key, mod, name) in enumerate(slots):
+            if key in known:
+                self.known.append(i)
+                buf = mod._buffers[name]
+                self.snapshot[id(buf)] = buf.detach().clone()
+        self.mutated: list[int] = []
+
+    def finish(self) -> list[str]:
+        """Record the buffers the forward mutated; return the keys of those not known beforehand.
+
+        Known buffers count as mutated whatever their version counters say: the native batch norm
+        kernel updates ``running_mean``/``running_var`` without bumping their versions. Other
+        buffers are found by their version counters (any Python-level in-place op bumps them).
+        """
+        known = set(self.known)
+        found = [
+            i
+            for i, (_, mod, name) in enumerate(self.slots)
+            if i not in known and _version(mod._buffers[name]) != self.before[i]
+        ]
+        self.mutated = sorted(known | set(found))
+        return [self.slots[i][0] for i in found]
+
+    def _buffer(self, i: int) -> torch.Tensor:
+        _, mod, name = self.slots[i]
+        return mod._buffers[name]
+
+    def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """``context_fn`` for checkpoint: nothing around the forward, the guard around recomputation."""
+        return contextlib.nullcontext(), self._recomputing()
+
+    @contextlib.contextmanager
+    def _recomputing(self) -> Iterator[None]:
+        mutated = set(self.mutated)
+        others = [
+            (key, mod._buffers[name], _version(mod._buffers[name]))
+            for i, (key, mod, name) in enumerate(self.slots)
+            if i not in mutated
+        ]
+        swapped: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+        copies: dict[int, torch.Tensor] = {}  # one copy per tensor, even if registered twice
+        for i in self.mutated:
+            _, mod, name = self.slots[i]
+            real = mod._buffers[name]
+            if id(real) not in copies:
+                source = self.snapshot.get(id(real), real)
+                copies[id(real)] = source.detach().clone()
+            mod._buffers[name] = copies[id(real)]
+            swapped.append((mod, name, real))
+        try:
+            yield
+        finally:
+            for mod, name, real in reversed(swapped):
+                mod._buffers[name] = real
+            for key, buf, version in others:
+                if _version(buf) != version:
+                    warnings.warn(
+                        f"fxplan: buffer {key!r} was mutated while recomputing a segment but not "
+                        "in its forward; recomputation may have changed model state",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
+
+
+class Segment(fx.GraphModule):
+    """One segment of a recomputation plan, called as ``self.segment_i(...)`` by its owner.
+
+    Its ``code`` is the segment's part of the original forward, with the original names. It owns
+    no state: the generated code's ``self.<name>`` look-ups fall through to the owner module.
+    ``recompute=False`` marks the last segment, which always runs plainly (its activations are kept
+    for backward, as in the canonical strategy).
+    """
+
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        graph: fx.Graph,
+        class_name: str,
+        *,
+        recompute: bool,
+        targets: list[str],
+        attr_targets: list[str],
+    ):
+        super().__init__(root, graph, class_name)
+        # Drop what GraphModule copied in: look-ups go to the owner (see __getattr__).
+        self._modules.clear()
+        self._parameters.clear()
+        self._buffers.clear()
+        self.__dict__["_fxplan_owner"] = None
+        self.fxplan_recompute = recompute
+        self._fxplan_targets = list(targets)
+        self._fxplan_attr_targets = list(attr_targets)
+        self._fxplan_learned: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            owner = self.__dict__.get("_fxplan_owner")
+            if owner is None:
+                raise
+            return getattr(owner, name)
+
+    def _set_owner(self, owner: torch.nn.Module) -> None:
+        self.__dict__["_fxplan_owner"] = owner
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Segment:
+        raise TypeError(
+            "a fxplan Segment cannot be copied on its own; deep-copy the module returned by "
+            "fxplan.codegen.segment_module instead"
+        )
+
+    def buffer_slots(self) -> list[tuple[str, torch.nn.Module, str]]:
+        """``(key, module, name)`` for every buffer this segment's modules and attributes can reach."""
+        owner = self.__dict__["_fxplan_owner"]
+        slots: list[tuple[str, torch.nn.Module, str]] = []
+        seen: set[tuple[int, str]] = set()
+        for target in self._fxplan_targets:
+            for path, mod in owner.get_submodule(target).named_modules(prefix=target):
+                for name, buf in mod._buffers.items():
+                    if buf is not None and (id(mod), name) not in seen:
+                        seen.add((id(mod), name))
+                        slots.append((f"{path}.{name}", mod, name))
+        for target in self._fxplan_attr_targets:
+            parent_path, _, name = target.rpartition(".")
+            mod = owner.get_submodule(parent_path) if parent_path else owner
+            if mod._buffers.get(name) is not None and (id(mod), name) not in seen:
+                seen.add((id(mod), name))
+                slots.append((target, mod, name))
+        return slots
+
+    def _known_mutating(self, slots: list[tuple[str, torch.nn.Module, str]]) -> set[str]:
+        known = set(self._fxplan_learned)
+        for key, mod, _ in slots:
+            if isinstance(mod, STATEFUL_NORMS) and mod.training:
+                known.add(key)
+        return known
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        plain = functools.partial(torch.nn.Module.__call__, self)
+        owner = self.__dict__["_fxplan_owner"]
+        training = owner.training if owner is not None else self.training
+        if not (self.fxplan_recompute and training and torch.is_grad_enabled()):
+            return plain(*args, **kwargs)
+        slots = self.buffer_slots()
+        guard = BufferGuard(slots, self._known_mutating(slots))
+        out = checkpoint(
+            plain,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=guard.contexts,
+            **kwargs,
+        )
+        new = guard.finish()
+        if new:
+            self._fxplan_learned.update(new)
+            surprising = [k for k in new if not k.endswith(("running_mean", "running_var",
+                                                            "num_batches_tracked"))]
+            if surprising:
+                warnings.warn(
+                    f"fxplan: segment {self._get_name()} mutated buffers {surprising} in its "
+                    "forward; this step recomputes from their updated values, later steps from "
+                    "the values before the forward",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return out
