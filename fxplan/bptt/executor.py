@@ -14,9 +14,10 @@ gradient of the later steps, and dropped; the gradient of the input hidden state
 Parameters accumulate ``.grad`` exactly as one big backward would (same per-step terms, same
 reverse-time order), and ``h0``/``inputs`` receive their gradients at the end if they require grad.
 
-Randomness: with ``preserve_rng_state`` (the default) every call of the core for step ``i`` runs with
-the global RNG seeded from one draw plus ``i``, so a recomputed step sees the same dropout mask as its
-first computation. The global RNG stream is left as it was plus that one draw.
+Randomness: with ``preserve_rng_state`` (the default) every call of the core for step ``i`` (0-based)
+runs with the global RNG seeded to ``s + i + 1`` (``s`` drawn once, or given), so a recomputed step sees
+the same dropout mask as its first computation. The global RNG stream is left as it was plus that one
+draw. ``loss_fn`` runs once per step, outside that seeding.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fxplan.bptt.schedule import BACKWARD, GRAD, POP, PUSH, RUN, Schedule, simulate
 from fxplan.bptt.solvers import POLICIES, solve
@@ -92,7 +95,7 @@ def _state_bytes(leaves: list[torch.Tensor]) -> int:
 class _Runner:
     """Executes schedule actions; one instance per :func:`backward` call."""
 
-    def __init__(self, core, inputs, h0, loss_fn, preserve_rng_state: bool):
+    def __init__(self, core, inputs, h0, loss_fn, preserve_rng_state: bool | int):
         self.core, self.inputs, self.loss_fn = core, inputs, loss_fn
         self.h0_leaves, self.spec = _flatten(h0, "h0")
         self.T = len(inputs)
@@ -100,7 +103,10 @@ class _Runner:
         self.losses: list[torch.Tensor | None] = [None] * self.T
         self.x_grad = isinstance(inputs, torch.Tensor) and inputs.requires_grad
         self.grad_inputs = torch.zeros_like(inputs) if self.x_grad else None
-        self.seed = int(torch.randint(0, 2**62, ()).item()) if preserve_rng_state else None
+        if isinstance(preserve_rng_state, bool):
+            self.seed = int(torch.randint(0, 2**62, ()).item()) if preserve_rng_state else None
+        else:
+            self.seed = int(preserve_rng_state)
         devices = {x.device for x in self.h0_leaves}
         if isinstance(inputs, torch.Tensor):
             devices.add(inputs.device)
@@ -260,37 +266,53 @@ def _seeded(seed: int, cuda_devices: list[int]):
 # ---------------------------------------------------------------- sizing and planning
 
 
+class _NewStorages(TorchDispatchMode):
+    """Records the storages that ops create (not views of existing ones) while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.new: set[int] = set()
+        self.old: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ins = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs or {}))
+               if isinstance(x, torch.Tensor)}
+        self.old |= ins - self.new
+        out = func(*args, **(kwargs or {}))
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor):
+                ptr = x.untyped_storage().data_ptr()
+                if ptr not in ins and ptr not in self.old:
+                    self.new.add(ptr)
+        return out
+
+
 def _measure(runner: _Runner) -> tuple[list, int, int, int]:
     """Compute step 1 with autograd while recording what it saves; return (entry, hid, int, in_hid).
 
-    Internal bytes: distinct storages autograd saves for the step plus its output hidden state, leaving
-    out parameters, buffers and ``inputs`` (they live anyway). ``in_hid`` is the part shared with the
-    step's input hidden state (what section 3.4 saves when that state is already stored).
+    Internal bytes: distinct storages that autograd saves for the step and that the step created
+    (parameters, inputs, targets and other tensors that live anyway are left out), plus its output
+    hidden state and its input hidden state if saved (Definition 3). ``in_hid`` is the part shared with
+    the input hidden state (what section 3.4 saves when that state is already stored).
     """
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
-        try:
-            st = t.untyped_storage()
-            saved[st.data_ptr()] = st.nbytes()
-        except (RuntimeError, NotImplementedError):
-            pass
+        st = t.untyped_storage()
+        saved[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        entry = runner.grad_step(1, [x.detach() for x in runner.h0_leaves])
-    skip = set()
-    if isinstance(runner.core, torch.nn.Module):
-        skip |= {t.untyped_storage().data_ptr() for t in runner.core.parameters()}
-        skip |= {t.untyped_storage().data_ptr() for t in runner.core.buffers()}
-    if isinstance(runner.inputs, torch.Tensor):
-        skip.add(runner.inputs.untyped_storage().data_ptr())
-    in_ptrs = {x.untyped_storage().data_ptr() for x in entry[3]}
+    h_start = [x.detach() for x in runner.h0_leaves]
+    in_ptrs = {x.untyped_storage().data_ptr() for x in h_start}
+    mode = _NewStorages()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        entry = runner.grad_step(1, h_start)
     for o in entry[2]:
         st = o.untyped_storage()
         saved.setdefault(st.data_ptr(), st.nbytes())
-    internal = sum(n for p, n in saved.items() if p not in skip and p != 0)
-    in_hid = sum(n for p, n in saved.items() if p in in_ptrs and p not in skip)
+    keep = mode.new | in_ptrs
+    internal = sum(n for p, n in saved.items() if p in keep and p != 0)
+    in_hid = sum(n for p, n in saved.items() if p in in_ptrs)
     hidden = _state_bytes(runner.h0_leaves)
     return entry, hidden, internal, in_hid
 
@@ -352,7 +374,7 @@ def plan(policy: str, t: int, *, slots: int | None = None, budget_bytes: int | N
 
 def backward(core: Callable, inputs: Any, h0: Any, loss_fn: Callable[[Any, int], torch.Tensor], *,
              slots: int | None = None, budget_bytes: int | None = None, policy: str = "msm",
-             alpha: int | None = None, beta: int | None = None, preserve_rng_state: bool = True,
+             alpha: int | None = None, beta: int | None = None, preserve_rng_state: bool | int = True,
              stats: BackwardStats | None = None) -> torch.Tensor:
     """Forward and backward over the whole sequence with an optimal recomputation schedule.
 
@@ -364,7 +386,10 @@ def backward(core: Callable, inputs: Any, h0: Any, loss_fn: Callable[[Any, int],
     Memory: ``slots`` in the policy's units (``"hsm"``: hidden states, ``"ism"``: internal states,
     ``"msm"``/``"chen_sqrt"``: hidden-state units, an internal state costing ``alpha``), or
     ``budget_bytes`` for the states held (sizes measured on the first step, which is not recomputed for
-    it). ``alpha``/``beta`` for MSM default to the measured ratios (beta: section 3.4). Pass a
+    it). ``alpha``/``beta`` for MSM default to the measured ratios (beta: section 3.4).
+    ``preserve_rng_state``: ``True`` runs step ``t`` (0-based) of the core under ``torch.manual_seed(s + t
+    + 1)`` with ``s`` drawn once from the global RNG, an ``int`` gives ``s`` itself, ``False`` leaves the
+    RNG alone (only for cores without randomness). Pass a
     :class:`BackwardStats` as ``stats`` to see the counts.
     """
     if policy not in POLICIES:
