@@ -1,0 +1,228 @@
+"""The methods fxplan is compared against: vanilla PyTorch, ``checkpoint_sequential`` and ``torch.compile``.
+
+Each peer turns a model into a module that runs one training step its way. Nothing here plans
+anything; :mod:`fxplan.compare` measures what these modules cost.
+
+* **vanilla**: the model as it is (Kusumoto et al. 2019, section 5: "vanilla implementation of the
+  forward and backward propagation without any recomputation").
+* **checkpoint_sequential**: ``torch.utils.checkpoint.checkpoint_sequential`` with ``round(sqrt(n))``
+  segments (Chen et al. 2016, section 4.1, the sqrt(n) plan). It needs a chain of modules, so
+  :func:`as_sequential` checks, on the model's torch.fx graph with its top-level children as leaves,
+  that ``forward`` really is a chain (each node consumes only the previous node's value), and only
+  then flattens the children (and plain ``nn.Sequential`` children, recursively) into one
+  ``nn.Sequential``. Anything else raises :class:`NotApplicable` with the reason.
+* **torch.compile**: backend ``aot_eager`` (AOTAutograd's min-cut partitioner, no kernel fusion) with
+  ``torch._functorch.config.activation_memory_budget`` set while the graph is compiled. The budget is
+  a fraction of the saved-activation set, not bytes of peak. Compiled code is invisible to dispatch
+  modes (hence to fake-tensor metering), so compiled peers are measured on real steps only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxplan.errors import FxplanError
+
+
+class NotApplicable(FxplanError):
+    """A peer method cannot be applied to this model; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------- vanilla
+
+
+def vanilla(model: nn.Module) -> nn.Module:
+    """The model itself: the baseline every reduction and time ratio is relative to."""
+    return model
+
+
+# -------------------------------------------------------------------------------- checkpoint_sequential
+
+
+class _TopLevelTracer(torch.fx.Tracer):
+    """Traces only the root's own ``forward``: every direct child module is a leaf."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return "." not in module_qualified_name or super().is_leaf_module(m, module_qualified_name)
+
+
+class _Call(nn.Module):
+    """A parameter-free step of the chain: ``fn(x, *args, **kwargs)`` (e.g. ``torch.flatten(x, 1)``)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, label: str):
+        super().__init__()
+        self.fn, self.args, self.kwargs, self.label = fn, args, kwargs, label
+
+    def forward(self, x: Any) -> Any:
+        return self.fn(x, *self.args, **self.kwargs)
+
+    def extra_repr(self) -> str:
+        return self.label
+
+
+def _flatten_children(module: nn.Module) -> list[nn.Module]:
+    """Plain ``nn.Sequential`` containers are chains by definition: splice their children in."""
+    if type(module) is nn.Sequential:
+        return [leaf for child in module for leaf in _flatten_children(child)]
+    return [module]
+
+
+def as_sequential(model: nn.Module) -> nn.Sequential:
+    """``model`` as an ``nn.Sequential`` with the same forward, or :class:`NotApplicable` saying why.
+
+    The check is made on the torch.fx graph of ``model.forward`` with the top-level children as leaves:
+    one input, then a chain of nodes each of which takes the previous node's value as its only tensor
+    argument, and the output is the last value. Children become chain steps; parameter-free functions
+    and methods between them (``torch.flatten(x, 1)``) become small wrapper modules. Parameters and
+    buffers are shared with ``model`` (nothing is copied).
+    """
+    if isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward:
+        return nn.Sequential(*_flatten_children(model))
+    try:
+        graph = _TopLevelTracer().trace(model)
+    except Exception as exc:  # torch.fx raises many types
+        raise NotApplicable(f"not applicable: forward is not traceable by torch.fx ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''})") from exc
+    nodes = list(graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        raise NotApplicable(f"not applicable: forward takes {len(placeholders)} inputs, a chain takes one")
+    steps: list[nn.Module] = []
+    prev = placeholders[0]
+    used_children: set[str] = set()
+    for n in nodes[1:]:
+        if n.op == "output":
+            if n.args[0] is not prev:
+                raise NotApplicable("not applicable: forward returns something other than the last value "
+                                    "of the chain (several outputs or a skip connection)")
+            break
+        if len(n.users) > 1 or (n.users and next(iter(n.users)) is not _next_node(nodes, n)):
+            raise NotApplicable(f"not applicable: the value of '{n.name}' is used by more than the next "
+                                "step (a branch or skip connection), so forward is not a chain")
+        tensor_args = [a for a in _flat_args(n) if isinstance(a, torch.fx.Node)]
+        if tensor_args != [prev]:
+            raise NotApplicable(f"not applicable: '{n.name}' does not take exactly the previous value "
+                                "(a branch, a skip connection or a parameter read), so forward is not a chain")
+        if n.op == "call_module":
+            if n.target in used_children:
+                raise NotApplicable(f"not applicable: child '{n.target}' is called twice")
+            used_children.add(n.target)
+            if n.args[0] is not prev or len(n.args) != 1 or n.kwargs:
+                raise NotApplicable(f"not applicable: child '{n.target}' is called with extra arguments")
+            steps.extend(_flatten_children(model.get_submodule(n.target)))
+        elif n.op == "call_function":
+            if not n.args or n.args[0] is not prev:
+                raise NotApplicable(f"not applicable: '{n.name}' does not take the chain value first")
+            steps.append(_Call(n.target, tuple(n.args[1:]), dict(n.kwargs), n.format_node() or n.name))
+        elif n.op == "call_method":
+            if not n.args or n.args[0] is not prev:
+                raise NotApplicable(f"not applicable: '{n.name}' does not take the chain value first")
+            method = getattr(torch.Tensor, n.target)
+            steps.append(_Call(method, tuple(n.args[1:]), dict(n.kwargs), f"Tensor.{n.target}"))
+        else:
+            raise NotApplicable(f"not applicable: forward reads '{n.target}' ({n.op}) outside the chain")
+        prev = n
+    unused = [name for name, _ in model.named_children() if name not in used_children]
+    owned = [name for name, _ in model.named_parameters(recurse=False)] + [
+        name for name, _ in model.named_buffers(recurse=False)]
+    if owned:
+        raise NotApplicable(f"not applicable: the model holds parameters or buffers of its own ({owned[0]})")
+    seq = nn.Sequential(*steps)
+    seq.fxplan_unused_children = unused  # type: ignore[attr-defined]  # reported, not fatal (e.g. aux heads off)
+    return seq
+
+
+def _next_node(nodes: list[torch.fx.Node], n: torch.fx.Node) -> torch.fx.Node:
+    return nodes[nodes.index(n) + 1]
+
+
+def _flat_args(n: torch.fx.Node) -> list[Any]:
+    out: list[Any] = []
+    torch.fx.node.map_aggregate((n.args, n.kwargs), out.append)
+    return out
+
+
+class CheckpointSequential(nn.Module):
+    """Runs a chain of modules under ``checkpoint_sequential`` with ``segments`` segments in training.
+
+    Non-reentrant checkpointing (``use_reentrant=False``), as PyTorch recommends. Outside training or
+    without grad it is the plain chain.
+    """
+
+    def __init__(self, chain: nn.Sequential, segments: int):
+        super().__init__()
+        self.chain = chain
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.chain(x)
+        return torch.utils.checkpoint.checkpoint_sequential(self.chain, self.segments, x, use_reentrant=False)
+
+
+def checkpoint_sequential_peer(model: nn.Module) -> CheckpointSequential:
+    """``model`` under ``checkpoint_sequential`` with round(sqrt(n)) segments over its n chain steps."""
+    chain = as_sequential(model)
+    n = len(chain)
+    if n < 2:
+        raise NotApplicable(f"not applicable: the chain has only {n} step")
+    return CheckpointSequential(chain, max(1, round(math.sqrt(n)))).train(model.training)
+
+
+# ------------------------------------------------------------------------------------------ torch.compile
+
+
+@contextlib.contextmanager
+def activation_budget(fraction: float) -> Iterator[None]:
+    """Set ``torch._functorch.config.activation_memory_budget`` for compilations inside the block."""
+    if not 0.0 <= fraction <= 1.0:
+        raise FxplanError(f"activation_memory_budget must be in [0, 1], got {fraction}")
+    import torch._functorch.config as fconfig
+
+    with fconfig.patch(activation_memory_budget=fraction):
+        yield
+
+
+class CompiledPeer(nn.Module):
+    """``torch.compile(model, backend="aot_eager")`` compiled under an activation-memory budget.
+
+    Compilation is lazy (it happens on the first call), so :meth:`warm_up` must run one step inside
+    :func:`activation_budget`; later calls reuse that graph. ``torch._dynamo.reset()`` is called first so
+    that no graph compiled under another budget is reused.
+    """
+
+    def __init__(self, model: nn.Module, fraction: float, backend: str = "aot_eager"):
+        super().__init__()
+        self.fraction = fraction
+        self.backend = backend
+        self.model = model
+        self.compiled = torch.compile(model, backend=backend)
+
+    def forward(self, *args: Any) -> Any:
+        with activation_budget(self.fraction):
+            return self.compiled(*args)
+
+    def warm_up(self, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor]) -> None:
+        """Compile (forward and backward graphs) by running one step on ``inputs``."""
+        torch._dynamo.reset()
+        with activation_budget(self.fraction):
+            loss_fn(self.compiled(*inputs)).backward()
+        self.model.zero_grad(set_to_none=True)
+
+
+def compile_peer(model: nn.Module, fraction: float) -> CompiledPeer:
+    """A compiled copy-free wrapper of ``model`` (call :meth:`CompiledPeer.warm_up` before measuring)."""
+    return CompiledPeer(model, fraction)
+
+
+__all__ = [
+    "CheckpointSequential", "CompiledPeer", "NotApplicable", "activation_budget", "as_sequential",
+    "checkpoint_sequential_peer", "compile_peer", "vanilla",
+]

@@ -1,0 +1,315 @@
+"""The report of ``fxplan compare``: report.md, report.json, report.html and PNG plots.
+
+* ``report.json``: every row (:class:`fxplan.compare.Row` as a dict), the timelines and how the run was made;
+* ``report.md``: a table shaped like Kusumoto et al.'s Table 1 (peak at the paper batch and reduction
+  against vanilla, per network and method), then per network every method's measured numbers;
+* ``report.html``: the same tables with the plots inline (base64 PNG), one self-contained file;
+* ``tradeoff-<network>.png``: memory against step-time ratio, every method on one chart (the paper's
+  Figure 3 view); ``timeline-<network>.png``: live bytes after every op of one step, vanilla against
+  fxplan's plan.
+
+matplotlib (the ``report`` extra) draws the plots; without it the tables are still written and the
+report says the plots are missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fxplan.compare import Comparison, Row
+from fxplan.measure import GiB, MiB
+
+#: Table-1 columns: (heading, method row name).
+TABLE1 = (
+    ("vanilla", "vanilla"), ("checkpoint_sequential", "checkpoint_sequential"), ("Chen", "chen"),
+    ("ApproxDP+MC", "approx-memory"), ("ExactDP+MC", "exact-memory"),
+    ("ApproxDP+TC", "approx-time"), ("ExactDP+TC", "exact-time"),
+)
+
+METERS = (
+    "Peaks are whole-step peaks: parameters, buffers, inputs, activations, gradients and backward "
+    "temporaries. The paper-batch peak is measured exactly on fake tensors (fxplan.measure_step, "
+    "fake=True; nothing is allocated). torch.compile cannot be measured that way (a dispatch mode does "
+    "not see compiled code), so its rows have no paper-batch peak: compare them in the small-batch "
+    "columns, where every method is measured alike on a real step (torch.profiler allocation events on "
+    "the CPU, the caching allocator on CUDA). Small-batch reductions are not the paper-batch reductions: "
+    "parameters and gradients weigh more at a small batch. Step times are medians of interleaved real "
+    "steps at the small batch; recompute = forward FLOPs recomputed per step (measured with "
+    "torch.utils.flop_counter) / FLOPs of one forward pass."
+)
+
+
+def _gib(b: int | None) -> str:
+    return "-" if b is None else f"{b / GiB:.2f}"
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / MiB:.1f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{-100 * x:+.0f}%".replace("+-", "-").replace("-0%", "0%")
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else (f"{x:.2f} s" if x < 100 else f"{x:.0f} s")
+
+
+def _frac(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _table1_cell(row: Row | None) -> str:
+    if row is None:
+        return "not run"
+    if row.status != "ok":
+        return row.status
+    if row.peak_bytes is None:
+        return "-"
+    if row.method == "vanilla":
+        return f"{_gib(row.peak_bytes)} GiB"
+    return f"{_gib(row.peak_bytes)} ({_pct(row.reduction)})"
+
+
+def networks(comparison: Comparison) -> list[str]:
+    seen: list[str] = []
+    for r in comparison.rows:
+        if r.network not in seen:
+            seen.append(r.network)
+    return seen
+
+
+def table1(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the Table-1-shaped summary (peak at the paper batch, GiB, and reduction)."""
+    header = ["network", "input, batch", *[h for h, _ in TABLE1]]
+    rows = []
+    for net in networks(comparison):
+        by = {r.method: r for r in comparison.rows_for(net)}
+        any_row = comparison.rows_for(net)[0]
+        rows.append([net, f"{any_row.input_size}², {any_row.batch}",
+                     *[_table1_cell(by.get(m)) for _, m in TABLE1]])
+    return header, rows
+
+
+DETAIL_HEADER = ["method", "status", "peak GiB @paper batch", "vs vanilla", "peak MiB @small batch",
+                 "vs vanilla (small)", "step-time ratio", "recompute (measured)", "recompute (planned)",
+                 "predicted peak GiB", "budget", "planning", "note"]
+
+
+def detail_rows(rows: Sequence[Row]) -> list[list[str]]:
+    out = []
+    for r in rows:
+        out.append([r.method, r.status, _gib(r.peak_bytes), _pct(r.reduction), _mib(r.small_peak_bytes),
+                    _pct(r.small_reduction), _ratio(r.time_ratio), _frac(r.recompute_fraction),
+                    _frac(r.planned_recompute_fraction), _gib(r.predicted_peak_bytes), r.budget or "-",
+                    _secs(r.plan_seconds), r.note or ""])
+    return out
+
+
+def summary_table(comparison: Comparison) -> str:
+    """Plain-text summary for the terminal: the main rows of every network."""
+    from fxplan.cli import format_table
+
+    header = ["network", "method", "status", "peak GiB", "vs vanilla", "small batch vs vanilla", "time ratio",
+              "recompute", "planning"]
+    rows = [[r.network, r.method, r.status, _gib(r.peak_bytes), _pct(r.reduction), _pct(r.small_reduction),
+             _ratio(r.time_ratio), _frac(r.recompute_fraction), _secs(r.plan_seconds)]
+            for r in comparison.rows if r.main]
+    return format_table(header, rows)
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    def esc(c: str) -> str:
+        return str(c).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(map(esc, header)) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(map(esc, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+_STYLE = {"vanilla": ("k", "s"), "checkpoint_sequential": ("tab:purple", "D"), "torch.compile": ("tab:blue", "^"),
+          "chen": ("tab:green", "o"), "approx-time": ("tab:red", "o"), "approx-memory": ("tab:orange", "v"),
+          "exact-time": ("tab:brown", "x"), "exact-memory": ("tab:pink", "+")}
+
+
+def _series(name: str) -> str:
+    return name.split("@")[0]
+
+
+def plot_tradeoff(rows: Sequence[Row], path: Path) -> Path:
+    """Peak against step-time ratio, every method on one chart: left at the paper batch (fake meter),
+    right at the small batch relative to vanilla (one meter for all, torch.compile included)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    panels = ((axes[0], lambda r: None if r.peak_bytes is None else r.peak_bytes / GiB,
+               f"peak at batch {rows[0].batch} (GiB, fake tensors)"),
+              (axes[1], lambda r: None if r.small_reduction is None else 1 - r.small_reduction,
+               f"peak at batch {rows[0].small_batch} / vanilla's (real step)"))
+    for ax, xof, label in panels:
+        groups: dict[str, list[tuple[float, float, str]]] = {}
+        for r in rows:
+            x = xof(r)
+            if r.status == "ok" and x is not None and r.time_ratio is not None:
+                groups.setdefault(_series(r.method), []).append((x, r.time_ratio, r.method))
+        for series, pts in groups.items():
+            color, marker = _STYLE.get(series, ("gray", "o"))
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=series,
+                    linestyle="-" if len(pts) > 1 else "none")
+        ax.set_xlabel(label)
+        ax.set_ylabel("step time / vanilla's")
+        ax.grid(alpha=0.3)
+        if groups:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{rows[0].network}: memory-time trade-off (step times at batch {rows[0].small_batch})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_timeline(network: str, timelines: dict[str, list[tuple[str, int]]], batch: int, path: Path) -> Path:
+    """Live bytes after every op of one step (forward then backward), one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for name, tl in timelines.items():
+        color, _ = _STYLE.get(_series(name), ("gray", "o"))
+        ax.plot(range(len(tl)), [b / GiB for _, b in tl], color=color, label=f"{name} ({len(tl)} ops)", lw=1)
+    ax.set_xlabel("op (forward, then backward)")
+    ax.set_ylabel("live GiB")
+    ax.set_title(f"{network}: memory over one training step at batch {batch} (fake tensors)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def write_report(comparison: Comparison, out_dir: str | Path) -> list[Path]:
+    """Write report.json, the plots, report.md and report.html into ``out_dir``; return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [_write_json(comparison, out / "report.json")]
+    plots: dict[str, list[Path]] = {}
+    plot_error = ""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        plot_error = "matplotlib is not installed (pip install 'fxplan[report]'), so no plots were drawn."
+    for net in networks(comparison):
+        rows = comparison.rows_for(net)
+        if plot_error:
+            break
+        plots[net] = []
+        try:
+            if any(r.time_ratio is not None for r in rows):
+                plots[net].append(plot_tradeoff(rows, out / f"tradeoff-{net}.png"))
+            if comparison.timelines.get(net):
+                plots[net].append(plot_timeline(net, comparison.timelines[net], rows[0].batch,
+                                                out / f"timeline-{net}.png"))
+        except Exception as exc:  # a plot must not cost the tables
+            plot_error = f"plotting failed: {type(exc).__name__}: {exc}"
+    paths += [p for ps in plots.values() for p in ps]
+    md = render_markdown(comparison, plots, plot_error)
+    (out / "report.md").write_text(md)
+    paths.append(out / "report.md")
+    (out / "report.html").write_text(render_html(comparison, plots, plot_error))
+    paths.append(out / "report.html")
+    return paths
+
+
+def _write_json(comparison: Comparison, path: Path) -> Path:
+    doc = {"meta": comparison.meta, "rows": [r.to_dict() for r in comparison.rows],
+           "timelines": {net: {m: [[op, b] for op, b in tl] for m, tl in tls.items()}
+                         for net, tls in comparison.timelines.items()}}
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def _header_lines(comparison: Comparison) -> list[str]:
+    meta = comparison.meta
+    lines = []
+    if meta.get("command"):
+        lines.append(f"Command: `{meta['command']}`")
+    lines.append(f"Machine: {meta.get('machine', '?')}, torch {meta.get('torch', '?')}; "
+                 f"started {meta.get('started', '?')}; {meta.get('repeats', '?')} timed steps per method.")
+    return lines
+
+
+def render_markdown(comparison: Comparison, plots: dict[str, list[Path]], plot_error: str = "") -> str:
+    parts = ["# fxplan compare", "", *_header_lines(comparison), "",
+             "## Peak memory at the paper batch (GiB, reduction against vanilla)", "",
+             "Shaped like Kusumoto et al. (2019) Table 1; MC = memory-centric, TC = time-centric, at the "
+             "smallest budget for which the solver finds a plan.", "",
+             _md_table(*table1(comparison)), "", METERS, ""]
+    if plot_error:
+        parts += [f"Plots: {plot_error}", ""]
+    for net in networks(comparison):
+        rows = comparison.rows_for(net)
+        parts += [f"## {net}", "",
+                  f"Paper batch {rows[0].batch} at {rows[0].input_size}²; real steps at batch "
+                  f"{rows[0].small_batch}, {rows[0].small_input_size}² ({rows[0].small_meter or 'no real step'}).",
+                  "", _md_table(DETAIL_HEADER, detail_rows(rows)), ""]
+        for p in plots.get(net, []):
+            parts += [f"![{p.stem}]({p.name})", ""]
+    return "\n".join(parts)
+
+
+def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def render_html(comparison: Comparison, plots: dict[str, list[Path]], plot_error: str = "") -> str:
+    """One self-contained page: the markdown report's tables with the plots inline as base64 PNG."""
+    style = ("body{font-family:sans-serif;max-width:1400px;margin:2em auto}table{border-collapse:collapse;"
+             "font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}"
+             "th{background:#f0f0f0}img{max-width:100%}")
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>fxplan compare</title>"
+             f"<style>{style}</style></head><body><h1>fxplan compare</h1>"]
+    parts += [f"<p>{html.escape(line).replace('`', '')}</p>" for line in _header_lines(comparison)]
+    parts += ["<h2>Peak memory at the paper batch (GiB, reduction against vanilla)</h2>",
+              _html_table(*table1(comparison)), f"<p>{html.escape(METERS)}</p>"]
+    if plot_error:
+        parts.append(f"<p>Plots: {html.escape(plot_error)}</p>")
+    for net in networks(comparison):
+        rows = comparison.rows_for(net)
+        parts += [f"<h2>{html.escape(net)}</h2>", _html_table(DETAIL_HEADER, detail_rows(rows))]
+        for p in plots.get(net, []):
+            data = base64.b64encode(p.read_bytes()).decode("ascii")
+            parts.append(f"<p><img alt='{html.escape(p.stem)}' src='data:image/png;base64,{data}'></p>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a written report.json (for scripts and docs)."""
+    return json.loads(Path(path).read_text())["rows"]
+
+
+__all__ = ["load_rows", "plot_timeline", "plot_tradeoff", "render_html", "render_markdown", "summary_table",
+           "table1", "write_report"]
