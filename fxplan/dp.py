@@ -50,14 +50,22 @@ _EPS = 1e-6
 
 
 # ------------------------------------------------------------------------------------------ fronts
-def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool) -> np.ndarray:
-    """Indices of the non-dominated (a, m) pairs: a minimised (maximised if ``maximize``), m minimised."""
-    order = np.lexsort((m, -a if maximize else a))
+def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool, tol: float = 0.0) -> np.ndarray:
+    """Indices of the non-dominated (a, m) pairs: a minimised (maximised if ``maximize``), m minimised.
+
+    With ``tol`` > 0 a pair is also dropped when a kept pair has an objective as good and a cache at most
+    ``tol`` bytes larger (ε-dominance; see ``resolution`` in :func:`solve`).
+    """
+    if tol > 0:
+        m = np.floor(m / tol)  # compare caches in buckets of tol bytes
+    # a stable sort on the objective alone: the candidates arrive as runs already sorted (one per source
+    # front), which timsort exploits; among equal objectives a larger cache may survive, which is harmless
+    order = np.argsort(-a if maximize else a, kind="stable")
     ms = m[order]
     keep = np.ones(len(order), dtype=bool)
     if len(order) > 1:
         run = np.minimum.accumulate(ms)
-        keep[1:] = ms[1:] < run[:-1] - _EPS
+        keep[1:] = ms[1:] < run[:-1] - (0.5 if tol > 0 else _EPS)
     return order[keep]
 
 
@@ -67,7 +75,8 @@ def _best(a: np.ndarray, m: np.ndarray, maximize: bool) -> int:
 
 
 # ------------------------------------------------------------------------------------------ family engine
-def _family_dp(bm: BoundModel, sets: list[int], objective: str, budget: float | None) -> list[int] | None:
+def _family_dp(bm: BoundModel, sets: list[int], objective: str, budget: float | None,
+               tol: float = 0.0) -> list[int] | None:
     """Algorithm 1 over the family ``sets`` (sorted by size, ∅ first, V last). Returns L_1..L_k or None."""
     ix = bm.ix
     S = len(sets)
@@ -79,29 +88,35 @@ def _family_dp(bm: BoundModel, sets: list[int], objective: str, budget: float | 
     valid = (inter == sizes[:, None]) & (sizes[None, :] > sizes[:, None])
     if budget is not None:
         valid &= F <= budget + _EPS
+    # row j of the transposes holds every move into sets[j]: contiguous gathers below
+    VT, FT, GT, HT = (np.ascontiguousarray(x.T) for x in (valid, F, G, H))
     maximize = objective == "memory"
     cap = 1024
-    own = np.zeros(cap, dtype=np.int64)
     a = np.zeros(cap)
     m = np.zeros(cap)
     par = np.full(cap, -1, dtype=np.int64)
-    n_st = 1
+    own = np.zeros(cap, dtype=np.int64)
     start = np.zeros(S + 1, dtype=np.int64)
     start[1] = 1
+    n_st = 1
     for j in range(1, S):
-        o = own[:n_st]
-        sel = valid[o, j]
-        if budget is not None:
-            sel &= m[:n_st] + F[o, j] <= budget + _EPS
-        idx = np.flatnonzero(sel)
-        if idx.size:
-            oo = o[idx]
+        src = np.flatnonzero(VT[j, :j])
+        lens = start[src + 1] - start[src]
+        tot = int(lens.sum())
+        if tot:
+            idx = np.repeat(start[src] - (np.cumsum(lens) - lens), lens) + np.arange(tot)
+            oo = np.repeat(src, lens)
+            f = FT[j, oo]
+            if budget is not None:
+                ok = m[idx] + f <= budget + _EPS
+                idx, oo, f = idx[ok], oo[ok], f[ok]
+        if tot and idx.size:
             if objective == "peak":
-                na = np.maximum(a[idx], m[idx] + F[oo, j])
+                na = np.maximum(a[idx], m[idx] + f)
             else:
-                na = a[idx] + H[oo, j]
-            nm = m[idx] + G[oo, j]
-            keep = _pareto_np(na, nm, maximize)
+                na = a[idx] + HT[j, oo]
+            nm = m[idx] + GT[j, oo]
+            keep = _pareto_np(na, nm, maximize, tol)
             k = keep.size
             if n_st + k > cap:
                 cap = max(2 * cap, n_st + k)

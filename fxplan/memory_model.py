@@ -215,12 +215,24 @@ class _BoundAutograd(BoundModel):
             cols = np.flatnonzero(Bd[i])
             if cols.size:
                 in_g[i] = (inside[:, cols] > inside[i, cols][None, :]) @ M[cols]
-        # max τ over V': the largest level θ with more nodes of τ ≥ θ in L' than in L
+        # max τ over V': the largest level θ_q with more nodes of τ ≥ θ_q in L' than in L. The excess
+        # |V' ∩ {τ ≥ θ_q}| shrinks as q grows, so a binary search over levels finds q for all pairs at once.
         tau = np.array(self.tau, dtype=np.float64)
-        trans = np.zeros((S, S))
-        for theta in np.unique(tau):
-            cnt = Af @ (tau >= theta)
-            trans[cnt[None, :] > cnt[:, None]] = theta
+        levels = np.unique(tau)
+        C = Af @ (tau[:, None] >= levels[None, :]).astype(np.float64)  # C[X, q] = #{v ∈ X: τ_v ≥ θ_q}
+        rows = np.arange(S)[:, None]
+        cols = np.arange(S)[None, :]
+        lo = np.zeros((S, S), dtype=np.int64)
+        hi = np.full((S, S), len(levels) - 1, dtype=np.int64)
+        while True:
+            open_ = lo < hi
+            if not open_.any():
+                break
+            mid = (lo + hi + 1) // 2
+            up = C[cols, mid] > C[rows, mid]
+            lo = np.where(open_ & up, mid, lo)
+            hi = np.where(open_ & ~up, mid - 1, hi)
+        trans = levels[lo]
         F = MR + SX + c.out_grad * out_g + c.in_grad * in_g + c.transient * trans
         TA = Af @ T
         H = TA[None, :] - TA[:, None]
