@@ -26,8 +26,8 @@ from models_zoo.pspnet import PSPNet
 from models_zoo.unet import UNet, unet_output_size
 
 __all__ = [
-    "LSTMCore", "LSTMLanguageModel", "PSPNet", "UNet", "ZooEntry", "get", "names", "synthetic_cross_entropy",
-    "synthetic_targets", "unet_output_size",
+    "LSTMCore", "LSTMLanguageModel", "PSPNet", "UNet", "ZooEntry", "get", "lm_loss", "names",
+    "synthetic_cross_entropy", "synthetic_targets", "unet_output_size", "weighted_cross_entropy",
 ]
 
 
