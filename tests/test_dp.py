@@ -1,0 +1,192 @@
+"""The DPs of Kusumoto et al. (sections 4.1-4.4) against exhaustive search on small random DAGs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxplan import dp
+from fxplan.costgraph import CostGraph
+from fxplan.errors import BudgetError, FxplanError
+from fxplan.lowersets import GraphIndex, enumerate_lower_sets, supersets_of
+from fxplan.memory_model import AutogradModel, evaluate_chain, get_model
+
+MODELS = ["paper", "autograd"]
+
+
+@st.composite
+def small_dags(draw, max_nodes: int = 6):
+    """Random DAGs whose lower-set sequences are few enough to enumerate exhaustively."""
+    n = draw(st.integers(1, max_nodes))
+    nodes = [f"v{i}" for i in range(n)]
+    edges = []
+    for j in range(1, n):
+        preds = draw(st.lists(st.integers(0, j - 1), min_size=1, max_size=min(j, 3), unique=True))
+        edges += [(nodes[i], nodes[j]) for i in preds]
+    T = {v: draw(st.integers(1, 9)) for v in nodes}
+    M = {v: draw(st.integers(1, 40)) for v in nodes}
+    return CostGraph.from_edges(nodes, edges, T, M)
+
+
+def exhaustive(cg: CostGraph, model: str, objective: str, budget: float | None):
+    """Section 4.1: every increasing lower-set sequence, by DFS; returns (best value, best chain)."""
+    ix = GraphIndex.build(cg)
+    bm = get_model(model).bind(ix)
+    best: list = [None, None]
+
+    def better(v):
+        if best[0] is None:
+            return True
+        return v > best[0] + 1e-9 if objective == "memory" else v < best[0] - 1e-9
+
+    def rec(L, chain, a, m, peak):
+        if L == ix.full:
+            v = peak if objective == "peak" else a
+            if better(v):
+                best[:] = [v, list(chain)]
+            return
+        for Lp in supersets_of(ix, L):
+            F, G, H = bm.transition(L, Lp)
+            if budget is not None and m + F > budget:
+                continue
+            chain.append(Lp)
+            rec(Lp, chain, a + H, m + G, max(peak, m + F))
+            chain.pop()
+
+    rec(0, [], 0.0, 0, 0)
+    return best
+
+
+def check_plan(cg: CostGraph, plan, budget):
+    order = {v: i for i, v in enumerate(cg.topo_order())}
+    flat = [v for seg in plan.segments for v in seg]
+    assert sorted(flat) == sorted(cg.nodes), "segments partition V"
+    done: set[str] = set()
+    for seg, low in zip(plan.segments, plan.lower_sets):
+        assert seg == sorted(seg, key=order.__getitem__), "each segment in topological order"
+        done |= set(seg)
+        assert set(low) == done and cg.is_lower_set(done), "L_i = V_1 ∪ … ∪ V_i is a lower set"
+    if budget is not None:
+        assert plan.predicted_peak_bytes <= budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_dags(max_nodes=7), st.sampled_from(MODELS))
+def test_pair_matrices_agree_with_transition(cg, model):
+    ix = GraphIndex.build(cg)
+    bm = get_model(model).bind(ix)
+    sets = enumerate_lower_sets(ix)
+    F, G, H = bm.pair_matrices(sets, ix.to_matrix(sets))
+    for i, L in enumerate(sets):
+        for j, Lp in enumerate(sets):
+            if Lp != L and Lp & L == L:
+                np.testing.assert_allclose((F[i, j], G[i, j], H[i, j]), bm.transition(L, Lp), atol=1e-6)
+
+
+def test_paper_model_is_equation_2():
+    """Equation (2) computed by hand with CostGraph's set functions, on a graph with a skip edge."""
+    cg = CostGraph.from_edges(
+        "abcde", [("a", "b"), ("b", "c"), ("a", "c"), ("c", "d"), ("b", "e"), ("d", "e")],
+        dict(a=1, b=2, c=3, d=4, e=5), dict(a=10, b=20, c=30, d=40, e=50))
+    ix = GraphIndex.build(cg)
+    bm = get_model("paper").bind(ix)
+    L, Lp = {"a"}, {"a", "b", "c"}
+    Vp = Lp - L
+    dplus = cg.delta_plus(Lp) - Lp                      # {d, e}
+    expected_F = 2 * cg.total_M(Vp) + cg.total_M(dplus) + cg.total_M(cg.delta_minus(dplus) - Lp)
+    assert expected_F == 2 * 50 + 90 + 40             # δ⁻({d, e}) \ L' = {d}
+    F, G, H = bm.transition(ix.mask(L), ix.mask(Lp))
+    assert F == expected_F
+    assert G == cg.total_M(cg.boundary(Lp) - L) == 50    # ∂(L') = {b, c}
+    assert H == cg.total_T(Vp - cg.boundary(Lp)) == 0    # both new nodes are cached
+
+
+@settings(max_examples=30, deadline=None)
+@given(small_dags(), st.sampled_from(MODELS), st.sampled_from(["family", "search"]))
+def test_exact_dp_equals_exhaustive_search(cg, model, engine):
+    best_peak, _ = exhaustive(cg, model, "peak", None)
+    assert dp.min_budget_bytes(cg, exact=True, memory_model=model, engine=engine) == math.ceil(best_peak)
+    for budget in (best_peak, int(1.3 * best_peak), 2 * best_peak):
+        want, _ = exhaustive(cg, model, "time", budget)
+        plan = dp.solve(cg, budget, exact=True, memory_model=model, engine=engine)
+        assert plan.overhead == pytest.approx(want)
+        check_plan(cg, plan, budget)
+        try:
+            approx = dp.solve(cg, budget, exact=False, memory_model=model)
+        except BudgetError as err:
+            assert err.min_feasible_bytes > budget
+        else:
+            assert approx.overhead >= plan.overhead - 1e-9, "approximate DP never beats the exact one"
+            check_plan(cg, approx, budget)
+    want_mc, _ = exhaustive(cg, model, "memory", math.ceil(best_peak))
+    mc = dp.solve(cg, None, strategy="memory", exact=True, memory_model=model, engine=engine)
+    assert mc.overhead == pytest.approx(want_mc)
+    assert mc.predicted_peak_bytes == math.ceil(best_peak)
+
+
+@settings(max_examples=30, deadline=None)
+@given(small_dags(max_nodes=8), st.sampled_from(MODELS), st.floats(1.0, 3.0), st.booleans())
+def test_strategies_are_consistent(cg, model, factor, exact):
+    b_min = dp.min_budget_bytes(cg, exact=exact, memory_model=model)
+    if exact:
+        assert b_min <= dp.min_budget_bytes(cg, exact=False, memory_model=model)
+    budget = int(factor * b_min)
+    tc = dp.solve(cg, budget, exact=exact, memory_model=model)
+    mc = dp.solve(cg, budget, strategy="memory", exact=exact, memory_model=model)
+    check_plan(cg, tc, budget)
+    check_plan(cg, mc, budget)
+    assert mc.predicted_peak_bytes <= tc.predicted_peak_bytes
+    assert tc.predicted_peak_bytes == evaluate_chain(
+        get_model(model).bind(GraphIndex.build(cg)), [GraphIndex.build(cg).mask(s) for s in tc.lower_sets])[0]
+    assert 0.0 <= tc.recompute_fraction <= 1.0
+
+
+def test_infeasible_budget_reports_the_minimum():
+    cg = CostGraph.from_edges("abc", [("a", "b"), ("b", "c")], dict(a=1, b=1, c=1),
+                              dict(a=30 << 20, b=30 << 20, c=30 << 20))
+    b_min = dp.min_budget_bytes(cg)
+    with pytest.raises(BudgetError) as info:
+        dp.solve(cg, b_min - 1)
+    assert info.value.min_feasible_bytes == b_min
+    assert "smallest feasible budget" in str(info.value) and "MiB" in str(info.value)
+    with pytest.raises(BudgetError):
+        dp.solve(cg, b_min - 1, strategy="memory")
+    assert dp.solve(cg, b_min).predicted_peak_bytes <= b_min
+
+
+def test_chain_time_centric_trades_memory_for_time():
+    n = 12
+    nodes = [f"n{i}" for i in range(n)]
+    cg = CostGraph.from_edges(nodes, list(zip(nodes, nodes[1:])), dict.fromkeys(nodes, 1),
+                              dict.fromkeys(nodes, 100))
+    free = dp.solve(cg, None)
+    assert free.num_segments == 1 and free.overhead == 0 and free.recompute_fraction == 0
+    tight = dp.solve(cg, dp.min_budget_bytes(cg))
+    assert tight.num_segments > 1 and tight.recompute_fraction > 0
+    assert tight.predicted_peak_bytes < free.predicted_peak_bytes
+
+
+def test_autograd_model_uses_saved_attributes():
+    cg = CostGraph.from_edges("abc", [("a", "b"), ("b", "c")], dict(a=1, b=1, c=1), dict(a=10, b=20, c=40))
+    ix = GraphIndex.build(cg)
+    base = get_model("autograd").bind(ix).transition(0, ix.full)
+    # default: b saves a, c saves b; nothing saves c
+    assert base[0] == (10 + 20) + 0 + 0 + 0 + max(10, 20 + 10, 40 + 20)
+    cg.nodes["c"].update(saves_output=True, saved_inputs=(), saved=7)
+    after = get_model(AutogradModel(transient=0.0)).bind(GraphIndex.build(cg)).transition(0, ix.full)
+    assert after[0] == 10 + 40 + 7
+    assert after[2] == 0.0, "the last segment is not recomputed"
+
+
+def test_bad_arguments():
+    cg = CostGraph.from_edges("ab", [("a", "b")], dict(a=1, b=1), dict(a=1, b=1))
+    with pytest.raises(FxplanError):
+        dp.solve(cg, 10, strategy="fast")
+    with pytest.raises(FxplanError):
+        dp.solve(cg, 10, memory_model="nope")
+    with pytest.raises(FxplanError):
+        dp.solve(cg, -1)
