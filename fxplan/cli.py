@@ -1,4 +1,4 @@
-"""The ``fxplan`` command line: ``fxplan zoo``, ``fxplan profile MODEL``.
+"""The ``fxplan`` command line: ``fxplan zoo``, ``fxplan profile MODEL``, ``fxplan plan MODEL``.
 
 Everything runs on fake tensors unless ``--real`` is given, so paper-scale batches are profiled on a
 laptop in seconds. Progress goes to stderr, results to stdout.
@@ -118,6 +118,25 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from fxplan.api import plan_graph
+
+    progress = Progress(args.quiet)
+    entry, model, inputs = load_model(args.model, args.batch_size, args.input_size, real=False,
+                                      progress=progress)
+    with progress.step("tracing and propagating shapes"):
+        cg = trace(model, inputs)
+    budget = None if args.budget_gb is None else int(args.budget_gb * 1024**3)
+    with progress.step(f"planning ({args.solver}, {args.strategy}-centric)"):
+        result = plan_graph(cg, model, budget, strategy=args.strategy, solver=args.solver)
+    print(result.summary())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(result.to_json(indent=1))
+        print(f"plan written to {args.json}")
+    return 0
+
+
 def _print_top_nodes(cg, attr: str, title: str, top: int) -> None:
     nodes = sorted(cg.nodes, key=lambda v: cg.nodes[v][attr], reverse=True)[:top]
     rows = [(v, cg.nodes[v]["kind"], f"{cg.nodes[v]['M'] / MiB:.1f}", f"{cg.nodes[v]['T'] / 1e9:.2f}")
@@ -139,15 +158,28 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--top", type=int, default=8, help="how many nodes to list (default 8)")
     prof.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     prof.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser("plan", help="find a recomputation plan for a zoo network within a memory budget")
+    pl.add_argument("model", help="a zoo network name (see 'fxplan zoo')")
+    pl.add_argument("--budget-gb", type=float, default=None,
+                    help="peak memory of the whole step in GiB (default: the smallest feasible)")
+    pl.add_argument("--strategy", choices=("time", "memory"), default="time",
+                    help="time: least recomputation within the budget; memory: lowest peak")
+    pl.add_argument("--solver", choices=("approx", "exact", "chen"), default="approx")
+    pl.add_argument("--batch-size", type=int, default=None, help="default: the paper's batch")
+    pl.add_argument("--input-size", type=int, default=None, help="image side (or sequence length)")
+    pl.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    pl.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    pl.set_defaults(func=cmd_plan)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("batch_size", "input_size", "top"):
+    for name in ("batch_size", "input_size", "top", "budget_gb"):
         value = getattr(args, name, None)
-        if value is not None and value < 1:
-            print(f"fxplan: error: --{name.replace('_', '-')} must be a positive integer", file=sys.stderr)
+        if value is not None and value <= 0:
+            print(f"fxplan: error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
     try:
         return args.func(args)

@@ -95,9 +95,11 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, cost_model: 
     gm = trace_module(model)
     inputs = tuple(example_inputs)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(inputs) != len(placeholders):
+    required = [n for n in placeholders if not n.args]  # a placeholder's args hold its default value
+    if not len(required) <= len(inputs) <= len(placeholders):
         names = ", ".join(n.target for n in placeholders)
-        raise TraceError(f"{type(model).__name__}.forward takes {len(placeholders)} inputs ({names}), "
+        count = len(placeholders) if len(required) == len(placeholders) else f"{len(required)} to {len(placeholders)}"
+        raise TraceError(f"{type(model).__name__}.forward takes {count} inputs ({names}), "
                          f"got {len(inputs)} example inputs")
     fake_mode = _fake_mode_for(inputs)
     propagator = _CostPropagator(_fake_module(gm, fake_mode), fake_mode)

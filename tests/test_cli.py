@@ -32,7 +32,7 @@ def test_unknown_model_is_a_clean_error(capsys):
 
 def test_bad_batch_size_is_rejected(capsys):
     assert main(["profile", "vgg19", "--batch-size", "0"]) == 2
-    assert "--batch-size" in capsys.readouterr().err
+    assert "--batch-size must be positive" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_point():

@@ -97,3 +97,19 @@ def test_untraceable_model_raises_trace_error_naming_the_module():
 def test_wrong_number_of_inputs_is_a_trace_error():
     with pytest.raises(TraceError, match="1 inputs"):
         trace(Residual(), (torch.randn(1, 4, 8, 8), torch.randn(1)))
+
+
+class WithDefault(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x, scale=2.0):
+        return self.lin(x) * scale
+
+
+def test_defaulted_arguments_may_be_omitted():
+    cg = trace(WithDefault(), (torch.randn(2, 3),))
+    assert list(cg.nodes) == ["lin", "mul"]
+    with pytest.raises(TraceError, match="1 to 2 inputs"):
+        trace(WithDefault(), ())
