@@ -190,12 +190,33 @@ def activation_budget(fraction: float) -> Iterator[None]:
         yield
 
 
+def _budgeted_backend(name: str, fraction: float) -> Callable[..., Any]:
+    """A backend object of its own for each peer, compiling under its own budget.
+
+    Dynamo guards on the backend object, not on the module object (parameters are graph inputs), so two
+    copies of one model compiled with the same backend would share one graph, the first budget's. A
+    distinct backend per peer keeps their graphs apart without ``torch._dynamo.reset()``.
+    """
+    from torch._dynamo.backends.registry import lookup_backend
+
+    inner = lookup_backend(name)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        with activation_budget(fraction):
+            return inner(gm, example_inputs)
+
+    backend.__name__ = f"{name}_budget_{fraction:g}"
+    return backend
+
+
 class CompiledPeer(nn.Module):
     """``torch.compile(model, backend="aot_eager")`` compiled under an activation-memory budget.
 
     Compilation is lazy (it happens on the first call), so :meth:`warm_up` must run one step inside
-    :func:`activation_budget`; later calls reuse that graph. ``torch._dynamo.reset()`` is called first so
-    that no graph compiled under another budget is reused.
+    :func:`activation_budget`; later calls reuse that graph. Each peer compiles with a backend object of its own
+    (:func:`_budgeted_backend`), which keeps graphs compiled under different budgets apart;
+    ``torch._dynamo.reset()`` is deliberately not called, since it would drop the other peers' graphs and
+    recompile them while they are being timed.
     """
 
     def __init__(self, model: nn.Module, fraction: float, backend: str = "aot_eager"):
@@ -203,7 +224,7 @@ class CompiledPeer(nn.Module):
         self.fraction = fraction
         self.backend = backend
         self.model = model
-        self.compiled = torch.compile(model, backend=backend)
+        self.compiled = torch.compile(model, backend=_budgeted_backend(backend, fraction))
 
     def forward(self, *args: Any) -> Any:
         with activation_budget(self.fraction):
@@ -211,7 +232,6 @@ class CompiledPeer(nn.Module):
 
     def warm_up(self, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor]) -> None:
         """Compile (forward and backward graphs) by running one step on ``inputs``."""
-        torch._dynamo.reset()
         with activation_budget(self.fraction):
             loss_fn(self.compiled(*inputs)).backward()
         self.model.zero_grad(set_to_none=True)
