@@ -211,8 +211,14 @@ def test_cli_handler_writes_the_report(tmp_path, monkeypatch, capsys):
     assert methods[("no-such-net", "vanilla")]["status"] == "error"
     assert "no-such-net" in methods[("no-such-net", "vanilla")]["note"]
     assert doc["meta"]["command"].startswith("fxplan compare tiny no-such-net")
-    for name in ("report.md", "report.html", "tradeoff-tiny.png"):
+    for name in ("report.md", "report.html"):
         assert (tmp_path / name).exists()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert (tmp_path / "tradeoff-tiny.png").exists()
     assert "checkpoint_sequential" in capsys.readouterr().out
 
 

@@ -37,6 +37,7 @@ def comparison():
 
 
 def test_all_files_are_written(comparison, tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need the 'report' extra (matplotlib)")
     paths = write_report(comparison, tmp_path / "out")
     names = {p.name for p in paths}
     assert {"report.md", "report.json", "report.html", "tradeoff-net.png", "timeline-net.png"} <= names
@@ -66,6 +67,7 @@ def test_table1_cells(comparison):
 
 
 def test_markdown_and_html_carry_failures_and_plots(comparison, tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need the 'report' extra (matplotlib)")
     write_report(comparison, tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "Table 1" in md and "`fxplan compare net`" in md
