@@ -75,21 +75,29 @@ def _best(a: np.ndarray, m: np.ndarray, maximize: bool) -> int:
 
 
 # ------------------------------------------------------------------------------------------ family engine
-def _family_dp(bm: BoundModel, sets: list[int], objective: str, budget: float | None,
-               tol: float = 0.0) -> list[int] | None:
-    """Algorithm 1 over the family ``sets`` (sorted by size, ∅ first, V last). Returns L_1..L_k or None."""
-    ix = bm.ix
+class _Family:
+    """A family of lower sets with the costs of every move between them (computed once, used by each run)."""
+
+    def __init__(self, bm: BoundModel, sets: list[int]):
+        ix = bm.ix
+        self.sets = sets
+        A = ix.to_matrix(sets)
+        F, G, H = bm.pair_matrices(sets, A)
+        sizes = A.sum(axis=1).astype(np.float64)
+        Af = A.astype(np.float32)  # 0/1 entries: counts are exact in float32 below 2**24
+        inter = Af @ Af.T
+        valid = (inter == sizes[:, None]) & (sizes[None, :] > sizes[:, None])
+        # row j of the transposes holds every move into sets[j]: contiguous gathers in the DP
+        self.VT, self.FT, self.GT, self.HT = (np.ascontiguousarray(x.T) for x in (valid, F, G, H))
+
+
+def _family_dp(fam: _Family, objective: str, budget: float | None, tol: float = 0.0) -> list[int] | None:
+    """Algorithm 1 over the family (sorted by size, ∅ first, V last). Returns L_1..L_k or None."""
+    sets = fam.sets
     S = len(sets)
-    A = ix.to_matrix(sets)
-    F, G, H = bm.pair_matrices(sets, A)
-    sizes = A.sum(axis=1).astype(np.float64)
-    Af = A.astype(np.float64)
-    inter = Af @ Af.T
-    valid = (inter == sizes[:, None]) & (sizes[None, :] > sizes[:, None])
+    VT, FT, GT, HT = fam.VT, fam.FT, fam.GT, fam.HT
     if budget is not None:
-        valid &= F <= budget + _EPS
-    # row j of the transposes holds every move into sets[j]: contiguous gathers below
-    VT, FT, GT, HT = (np.ascontiguousarray(x.T) for x in (valid, F, G, H))
+        VT = VT & (FT <= budget + _EPS)
     maximize = objective == "memory"
     cap = 1024
     a = np.zeros(cap)
@@ -262,22 +270,28 @@ def plan_from_chain(ix: GraphIndex, bm: BoundModel, chain: list[int], *, budget:
 
 
 def _run(ix: GraphIndex, bm: BoundModel, objective: str, budget: float | None, exact: bool, engine: str,
-         time_limit: float | None) -> list[int] | None:
-    if not exact:
-        return _family_dp(bm, pruned_lower_sets(ix), objective, budget)
-    if engine == "search":
+         time_limit: float | None, cache: dict) -> list[int] | None:
+    """One DP run; ``cache`` keeps the family and its move costs between runs of one solve."""
+    if exact and engine == "search":
         return _search_dp(bm, objective, budget, time_limit)
-    if engine == "family":
-        return _family_dp(bm, enumerate_lower_sets(ix), objective, budget)
-    try:
-        sets = enumerate_lower_sets(ix, limit=FAMILY_LIMIT)
-    except FxplanError:
+    if "family" not in cache:
+        if not exact:
+            sets = pruned_lower_sets(ix)
+        elif engine == "family":
+            sets = enumerate_lower_sets(ix)
+        else:
+            try:
+                sets = enumerate_lower_sets(ix, limit=FAMILY_LIMIT)
+            except FxplanError:
+                sets = None
+        cache["family"] = None if sets is None else _Family(bm, sets)
+    if cache["family"] is None:  # exact DP on a lattice too big for pair matrices
         if objective == "peak" and budget is None:
             # bound the search by what the approximate DP achieves; the exact optimum is no larger
-            approx = _family_dp(bm, pruned_lower_sets(ix), "peak", None)
-            budget = evaluate_chain(bm, approx)[0] if approx else None
+            approx = _family_dp(_Family(bm, pruned_lower_sets(ix)), "peak", None)
+            budget = evaluate_chain(bm, approx)[0]
         return _search_dp(bm, objective, budget, time_limit)
-    return _family_dp(bm, sets, objective, budget)
+    return _family_dp(cache["family"], objective, budget)
 
 
 def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, engine: str = "auto",
@@ -289,7 +303,7 @@ def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, e
     """
     ix = GraphIndex.build(cg)
     bm = get_model(memory_model).bind(ix)
-    chain = _run(ix, bm, "peak", None, exact, engine, time_limit)
+    chain = _run(ix, bm, "peak", None, exact, engine, time_limit, {})
     if chain is None:  # cannot happen: the single segment V is always a plan
         raise FxplanError("no plan found")
     return int(math.ceil(evaluate_chain(bm, chain)[0] - _EPS))
@@ -326,13 +340,14 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
         )
 
     if strategy == "memory":
-        chain = _run(ix, bm, "peak", None, exact, engine, time_limit)
+        cache: dict = {}
+        chain = _run(ix, bm, "peak", None, exact, engine, time_limit, cache)
         b_star = int(math.ceil(evaluate_chain(bm, chain)[0] - _EPS))
         if budget_bytes is not None and budget_bytes < b_star:
             raise fail(b_star)
-        chain = _run(ix, bm, "memory", b_star, exact, engine, time_limit)
+        chain = _run(ix, bm, "memory", b_star, exact, engine, time_limit, cache)
     else:
-        chain = _run(ix, bm, "time", budget_bytes, exact, engine, time_limit)
+        chain = _run(ix, bm, "time", budget_bytes, exact, engine, time_limit, {})
         if chain is None:
             raise fail(min_budget_bytes(cg, exact=exact, memory_model=memory_model, engine=engine,
                                         time_limit=time_limit))

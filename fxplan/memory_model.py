@@ -72,7 +72,7 @@ class BoundModel:
         ix = self.ix
         succ_adj = _adjacency(ix)  # E[u, w] = 1 for an edge u → w
         # a member u of X is on ∂(X) iff it has a successor outside X: outdeg(u) > |succ(u) ∩ X|
-        inside = A.astype(np.float64) @ succ_adj.T
+        inside = A.astype(np.float32) @ succ_adj.T.astype(np.float32)  # exact counts
         outdeg = succ_adj.sum(axis=1)
         Bd = A & (inside < outdeg[None, :])
         return Bd, inside
@@ -202,7 +202,7 @@ class _BoundAutograd(BoundModel):
                 SI[w, u] = 1.0
         so = np.zeros(n, dtype=bool)
         so[list(iter_bits(self.so))] = True
-        Rs = A & (so[None, :] | ((Af @ SI) > 0))
+        Rs = A & (so[None, :] | ((A.astype(np.float32) @ SI.astype(np.float32)) > 0))
         Rf = Rs.astype(np.float64)
         AM = Af * M
         MR = (Rf @ M)[None, :] - AM @ Rf.T
@@ -219,7 +219,8 @@ class _BoundAutograd(BoundModel):
         # |V' ∩ {τ ≥ θ_q}| shrinks as q grows, so a binary search over levels finds q for all pairs at once.
         tau = np.array(self.tau, dtype=np.float64)
         levels = np.unique(tau)
-        C = Af @ (tau[:, None] >= levels[None, :]).astype(np.float64)  # C[X, q] = #{v ∈ X: τ_v ≥ θ_q}
+        # C[X, q] = #{v ∈ X: τ_v ≥ θ_q}
+        C = A.astype(np.float32) @ (tau[:, None] >= levels[None, :]).astype(np.float32)
         rows = np.arange(S)[:, None]
         cols = np.arange(S)[None, :]
         lo = np.zeros((S, S), dtype=np.int64)

@@ -1,0 +1,96 @@
+"""Planner benchmark: lower sets, DP solve times and plans on the zoo networks at the paper's batch.
+
+Usage: python scripts/planner_bench.py [--nets resnet50,vgg19,...] [--model autograd|paper]
+                                       [--exact-limit SECONDS] [--fraction 0.5]
+
+Each network is traced under FakeTensorMode (nothing allocated). "vanilla" is the memory model's peak of
+the plan with one segment (no recomputation); the time-centric plans (approximate and exact DP) and Chen's
+greedy plan are asked for ``fraction`` × vanilla. MC = memory-centric (smallest feasible budget).
+The exact DP is stopped after ``--exact-limit`` seconds per solve (reported as ">limit").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import models_zoo
+from fxplan import chen, dp
+from fxplan.errors import BudgetError, FxplanError
+from fxplan.lowersets import GraphIndex, count_lower_sets
+from fxplan.trace import trace
+
+NETS = ["resnet50", "resnet152", "vgg19", "densenet161", "googlenet", "unet", "pspnet"]
+GiB = float(1 << 30)
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+    except BudgetError as err:
+        return "infeasible", time.perf_counter() - t0, err
+    except FxplanError as err:  # the exact DP's time limit
+        return "timeout", time.perf_counter() - t0, err
+    return out, time.perf_counter() - t0, None
+
+
+def fmt_plan(res) -> str:
+    out, secs, _ = res
+    if isinstance(out, str):
+        return f"{out} ({secs:.2f}s)"
+    return (f"{out.predicted_peak_bytes / GiB:.2f} GiB, {out.num_segments} seg, "
+            f"rec {100 * out.recompute_fraction:.0f}% ({secs:.2f}s)")
+
+
+def bench(name: str, model: str, exact_limit: float, fraction: float) -> dict:
+    entry = models_zoo.get(name)
+    net = entry.build()
+    with FakeTensorMode():
+        inputs = entry.example_inputs()
+    cg = trace(net, inputs)
+    ix = GraphIndex.build(cg)
+    t0 = time.perf_counter()
+    n_lower = count_lower_sets(ix)
+    t_enum = time.perf_counter() - t0
+    vanilla = dp.solve(cg, None, memory_model=model).predicted_peak_bytes
+    budget = int(fraction * vanilla)
+    row = dict(net=name, batch=entry.paper_batch, V=ix.n, L=n_lower, enum=t_enum, vanilla=vanilla / GiB)
+    row["approx_mc"] = timed(lambda: dp.solve(cg, None, strategy="memory", memory_model=model))
+    row["approx_tc"] = timed(lambda: dp.solve(cg, budget, memory_model=model))
+    row["exact_mc"] = timed(lambda: dp.solve(cg, None, strategy="memory", exact=True, memory_model=model,
+                                             time_limit=exact_limit))
+    row["exact_tc"] = timed(lambda: dp.solve(cg, budget, exact=True, memory_model=model,
+                                             time_limit=exact_limit))
+    row["chen"] = timed(lambda: chen.solve(cg, budget, variant="greedy", memory_model=model))
+    row["chen_free"] = timed(lambda: chen.solve(cg, None, variant="greedy", memory_model=model))
+    return row
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nets", default=",".join(NETS))
+    p.add_argument("--model", default="autograd")
+    p.add_argument("--exact-limit", type=float, default=60.0)
+    p.add_argument("--fraction", type=float, default=0.5)
+    args = p.parse_args(argv)
+    cols = ["network", "batch", "#V", "#L", "enum s", "vanilla GiB", "ApproxDP+MC", "ExactDP+MC",
+            f"ApproxDP+TC @{args.fraction:.0%}", f"ExactDP+TC @{args.fraction:.0%}",
+            f"Chen greedy @{args.fraction:.0%}", "Chen greedy (min peak)"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for name in args.nets.split(","):
+        print(f"benchmarking {name} ...", file=sys.stderr, flush=True)
+        r = bench(name, args.model, args.exact_limit, args.fraction)
+        cells = [r["net"], str(r["batch"]), str(r["V"]), str(r["L"]), f"{r['enum']:.2f}",
+                 f"{r['vanilla']:.2f}"] + [fmt_plan(r[k]) for k in
+                                           ("approx_mc", "exact_mc", "approx_tc", "exact_tc", "chen",
+                                            "chen_free")]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
