@@ -183,6 +183,29 @@ class _Rewrite:
             for v in names:
                 self.seg[by_name[v]] = i
         self.k = len(plan)
+        # Classify once: rewriting only swaps argument nodes, never what a node is.
+        self.mpos = {n: effects.mutated_position(n, gm) for n in self.graph.nodes if effects.is_compute(n)}
+        self.is_view = {
+            n: self.mpos[n] is None and effects.view_source(n, gm) is not None for n in self.mpos
+        }
+
+    def _source(self, n: fx.Node) -> fx.Node | None:
+        where = self.mpos.get(n)
+        if where is not None:
+            kind, key = where
+            value = n.args[key] if kind == "arg" else n.kwargs.get(key)  # type: ignore[index]
+            return value if isinstance(value, fx.Node) else None
+        if self.is_view.get(n):
+            first = n.args[0]
+            return first if isinstance(first, fx.Node) else None
+        return None
+
+    def roots(self) -> dict[fx.Node, fx.Node]:
+        root: dict[fx.Node, fx.Node] = {}
+        for n in self.graph.nodes:
+            src = self._source(n)
+            root[n] = root.get(src, src) if src is not None else n
+        return root
 
     def seg_of(self, node: fx.Node) -> int:
         if node.op == "output":
@@ -194,12 +217,12 @@ class _Rewrite:
         for n in list(self.graph.nodes):
             if not effects.is_compute(n):
                 continue
-            where = effects.mutated_position(n, self.gm)
-            a = effects.mutated_arg(n, self.gm)
+            where = self.mpos.get(n)
+            a = self._source(n) if where is not None else None
             if where is None or a is None:
                 continue
             pos = {v: i for i, v in enumerate(self.graph.nodes)}
-            roots = effects.alias_roots(self.graph, self.gm)
+            roots = self.roots()
             if roots[a].op == "get_attr":
                 continue  # a module attribute updated in place: the buffer guard's business
             members = [m for m in self.graph.nodes if roots[m] is roots[a]]

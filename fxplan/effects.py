@@ -20,6 +20,7 @@ module's inside is opaque at module granularity).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 
@@ -126,14 +127,35 @@ def mutated_position(node: fx.Node, gm: torch.nn.Module) -> tuple[str, int | str
             return ("arg", 0)
         if node.kwargs.get("inplace") is True:
             return ("arg", 0) if node.args else ("kwarg", "input")
+        sig = _signature(fn)
+        if sig is None:
+            return None
         try:
-            bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
-        except (TypeError, ValueError):
+            bound = sig.bind(*node.args, **node.kwargs)
+        except TypeError:
             return None
         if bound.arguments.get("inplace") is True:
             first = next(iter(bound.arguments))
             return ("arg", 0) if node.args else ("kwarg", first)
     return None
+
+
+def _signature(fn: object) -> inspect.Signature | None:
+    try:
+        return _cached_signature(fn)
+    except TypeError:  # unhashable callable
+        return _signature_uncached(fn)
+
+
+def _signature_uncached(fn: object) -> inspect.Signature | None:
+    try:
+        sig = inspect.signature(fn)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return sig if "inplace" in sig.parameters else None
+
+
+_cached_signature = functools.lru_cache(maxsize=None)(_signature_uncached)
 
 
 def mutated_arg(node: fx.Node, gm: torch.nn.Module) -> fx.Node | None:

@@ -32,6 +32,16 @@ from models_awkward import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: the 2 shared cores are contended, and bitwise comparisons only need
+    both models to run with the same setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def rewrite_copy(model: torch.nn.Module, plan_fn) -> torch.nn.Module:
     """Trace a deep copy of ``model`` and rewrite it with the plan ``plan_fn(gm)``."""
     gm = fx.symbolic_trace(copy.deepcopy(model))
@@ -39,7 +49,7 @@ def rewrite_copy(model: torch.nn.Module, plan_fn) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("name", sorted(AWKWARD))
-@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("k", [2, 5])
 def test_awkward_contiguous_plans_bitwise(name, k):
     ctor, make_inputs = AWKWARD[name]
     torch.manual_seed(0)
@@ -60,7 +70,8 @@ def test_awkward_every_two_segment_cut_bitwise(name):
     ref = copy.deepcopy(model)
     out_ref = step(ref, inputs)
     grads_ref = [p.grad for p in ref.parameters()]
-    for cut in range(1, len(names)):
+    stride = max(1, len(names) // 12)  # at most ~12 cuts per model, to stay fast
+    for cut in range(1, len(names), stride):
         opt = rewrite_copy(model, lambda gm: [names[:cut], names[cut:]])
         out = step(opt, inputs)
         for a, b in zip(torch.utils._pytree.tree_leaves(out_ref), torch.utils._pytree.tree_leaves(out)):
@@ -77,7 +88,7 @@ def test_awkward_random_lower_set_sequences_bitwise(name):
     model = ctor()
     inputs = make_inputs()
     rng = random.Random(name)
-    for trial in range(4):
+    for trial in range(3):
         k = rng.randint(2, 6)
         opt = rewrite_copy(model, lambda gm: random_plan(gm, rng, k))
         assert_same_training(copy.deepcopy(model), opt, inputs, steps=1)
@@ -87,7 +98,7 @@ def test_skip_branch_deferred_to_later_segment():
     """A hand-made non-contiguous plan: the skip branch of a residual block runs a segment later."""
     torch.manual_seed(0)
     model = torchvision.models.resnet18()
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(2, 3, 16, 16)
     names = compute_names(fx.symbolic_trace(model))
     skip = ["layer2_0_downsample_0", "layer2_0_downsample_1"]
     main = [v for v in names if v not in skip]
@@ -95,45 +106,39 @@ def test_skip_branch_deferred_to_later_segment():
     plan = [main[:cut], skip + main[cut : cut + 10], main[cut + 10 :]]
     opt = rewrite_copy(model, lambda gm: plan)
     assert "layer2_0_downsample_0" in opt.segment_1.code
-    assert_same_training(copy.deepcopy(model), opt, (x,))
-
-
-@pytest.mark.parametrize("k", [2, 4, 8])
-def test_resnet50_chain_plans_bitwise(k):
-    torch.manual_seed(0)
-    model = torchvision.models.resnet50()
-    x = torch.randn(2, 3, 64, 64)
-    opt = rewrite_copy(model, lambda gm: chunks(compute_names(gm), k))
-    assert_same_training(copy.deepcopy(model), opt, (x,))
-
-
-def test_resnet50_random_plan_bitwise():
-    torch.manual_seed(0)
-    model = torchvision.models.resnet50()
-    x = torch.randn(2, 3, 64, 64)
-    rng = random.Random(1)
-    opt = rewrite_copy(model, lambda gm: random_plan(gm, rng, 6))
     assert_same_training(copy.deepcopy(model), opt, (x,), steps=1)
 
 
-def test_checkpoint_sequential_fails_where_segment_module_works():
-    """The fact from design.md: in-place ReLU at a segment start breaks checkpoint_sequential."""
+def test_resnet50_eight_segments_where_checkpoint_sequential_fails():
+    """The fact from design.md: checkpoint_sequential over resnet50 crashes in backward (a segment
+    starts with an in-place ReLU that overwrites its saved input); an 8-segment plan cut at the
+    same kind of place trains exactly like the original."""
     torch.manual_seed(0)
     model = torchvision.models.resnet50()
-    x = torch.randn(2, 3, 64, 64)
+    x = torch.randn(2, 3, 32, 32)
     seq = torch.nn.Sequential(
         model.conv1, model.bn1, model.relu, model.maxpool,
         *model.layer1, *model.layer2, *model.layer3, *model.layer4,
     )
     with pytest.raises(RuntimeError, match="inplace"):
         checkpoint_sequential(copy.deepcopy(seq), 8, x, use_reentrant=False).sum().backward()
-    gm = fx.symbolic_trace(copy.deepcopy(seq))
-    names = compute_names(gm)
+    names = compute_names(fx.symbolic_trace(model))
     plan = chunks(names, 8)
     plan[0], plan[1] = names[:2], [v for v in plan[0] + plan[1] if v not in names[:2]]  # cut at relu
-    opt = segment_module(gm, plan)
-    assert ".clone()" in opt.segment_1.code  # the in-place ReLU reads a copy of the segment input
-    assert_same_training(copy.deepcopy(seq), opt, (x,), steps=1)
+    opt = rewrite_copy(model, lambda gm: plan)
+    assert len(opt.segment_modules()) == 8
+    assert "bn1_copy = bn1.clone()" in opt.segment_1.code  # the in-place ReLU reads a copy
+    assert_same_training(copy.deepcopy(model), opt, (x,))
+
+
+def test_resnet50_other_plans_bitwise():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50()
+    x = torch.randn(2, 3, 32, 32)
+    rng = random.Random(1)
+    for plan_fn in (lambda gm: chunks(compute_names(gm), 3), lambda gm: random_plan(gm, rng, 5)):
+        opt = rewrite_copy(model, plan_fn)
+        assert_same_training(copy.deepcopy(model), opt, (x,), steps=1)
 
 
 def test_densenet_block_plans_bitwise():
@@ -209,8 +214,8 @@ def test_dropout_draws_match_original_and_recomputation():
 
 def test_autocast_cpu_bfloat16_bitwise():
     torch.manual_seed(0)
-    model = torchvision.models.resnet18()
-    x = torch.randn(2, 3, 32, 32)
+    model = DenseNetBlock()
+    x = torch.randn(2, 3, 12, 12)
     opt = rewrite_copy(model, lambda gm: chunks(compute_names(gm), 4))
     ref = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
