@@ -90,16 +90,26 @@ class SegmentedModule(fx.GraphModule):
         graph = copy.deepcopy(self._fxplan_graph)
         new = segment_module(_graph_module(holder, graph, self._get_name()), self.fxplan_segments)
         memo[id(self)] = new
+        for key, value in self._user_attrs().items():
+            setattr(new, key, copy.deepcopy(value, memo))
         return new
+
+    def _user_attrs(self) -> dict[str, Any]:
+        # Attributes others attach (e.g. fxplan.rewrite's ``fxplan_plan``) survive copies.
+        return {
+            k: v for k, v in self.__dict__.items() if k.startswith("fxplan_") and k != "fxplan_segments"
+        }
 
     def __reduce__(self) -> tuple[Any, ...]:
         holder = self._state_holder()
         gm = _graph_module(holder, copy.deepcopy(self._fxplan_graph), self._get_name())
-        return (_rebuild, (holder, gm, self.fxplan_segments))
+        return (_rebuild, (holder, gm, self.fxplan_segments, self._get_name()), self._user_attrs())
 
 
-def _rebuild(holder: torch.nn.Module, gm: fx.GraphModule, segments: Any) -> SegmentedModule:
-    return segment_module(_graph_module(holder, gm.graph, gm._get_name()), segments)
+def _rebuild(
+    holder: torch.nn.Module, gm: fx.GraphModule, segments: Any, class_name: str
+) -> SegmentedModule:
+    return segment_module(_graph_module(holder, gm.graph, class_name), segments)
 
 
 def _graph_module(holder: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:

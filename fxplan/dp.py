@@ -124,6 +124,16 @@ def _family_dp(fam: _Family, objective: str, budget: float | None, tol: float = 
             else:
                 na = a[idx] + HT[j, oo]
             nm = m[idx] + GT[j, oo]
+            if objective == "peak" and na.size > 1:
+                # each source contributes a run with the cache decreasing; a state is dominated within its
+                # run unless its new peak is below every later one of the run (a reset suffix minimum)
+                base = na.min()
+                span = na.max() - base + 1.0
+                key = (na - base) + oo * span  # runs are contiguous, in increasing source index oo
+                suf = np.minimum.accumulate(key[::-1])[::-1]
+                alive = np.ones(na.size, dtype=bool)
+                alive[:-1] = key[:-1] < suf[1:]
+                idx, oo, na, nm = idx[alive], oo[alive], na[alive], nm[alive]
             keep = _pareto_np(na, nm, maximize, tol)
             k = keep.size
             if n_st + k > cap:

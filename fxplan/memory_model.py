@@ -209,31 +209,37 @@ class _BoundAutograd(BoundModel):
         out_g = (Bf @ M)[None, :] - AM @ Bf.T
         sxa = Af @ np.array(self.sx, dtype=np.float64)
         SX = sxa[None, :] - sxa[:, None]
+        # only pairs L ⊊ L' matter: compute the two non-bilinear terms on those alone
+        A32 = A.astype(np.float32)
+        sizes = A32.sum(axis=1)
+        sub = ((A32 @ A32.T) == sizes[:, None]) & (sizes[None, :] > sizes[:, None])
         # gradients for the inputs of V' = L' \ L: members u of ∂(L) with more successors in L' than in L
         in_g = np.zeros((S, S))
         for i in range(S):
             cols = np.flatnonzero(Bd[i])
-            if cols.size:
-                in_g[i] = (inside[:, cols] > inside[i, cols][None, :]) @ M[cols]
+            rows_i = np.flatnonzero(sub[i])
+            if cols.size and rows_i.size:
+                in_g[i, rows_i] = (inside[np.ix_(rows_i, cols)] > inside[i, cols][None, :]) @ M[cols]
         # max τ over V': the largest level θ_q with more nodes of τ ≥ θ_q in L' than in L. The excess
         # |V' ∩ {τ ≥ θ_q}| shrinks as q grows, so a binary search over levels finds q for all pairs at once.
         tau = np.array(self.tau, dtype=np.float64)
         levels = np.unique(tau)
-        # C[X, q] = #{v ∈ X: τ_v ≥ θ_q}
-        C = A.astype(np.float32) @ (tau[:, None] >= levels[None, :]).astype(np.float32)
-        rows = np.arange(S)[:, None]
-        cols = np.arange(S)[None, :]
-        lo = np.zeros((S, S), dtype=np.int64)
-        hi = np.full((S, S), len(levels) - 1, dtype=np.int64)
+        k = len(levels)
+        # C[X, q] = #{v ∈ X: τ_v ≥ θ_q}, flattened for gathers
+        C = (A32 @ (tau[:, None] >= levels[None, :]).astype(np.float32)).ravel()
+        pi, pj = np.nonzero(sub)
+        lo = np.zeros(pi.size, dtype=np.int64)
+        hi = np.full(pi.size, k - 1, dtype=np.int64)
         while True:
-            open_ = lo < hi
-            if not open_.any():
+            open_ = np.flatnonzero(lo < hi)
+            if not open_.size:
                 break
-            mid = (lo + hi + 1) // 2
-            up = C[cols, mid] > C[rows, mid]
-            lo = np.where(open_ & up, mid, lo)
-            hi = np.where(open_ & ~up, mid - 1, hi)
-        trans = levels[lo]
+            mid = (lo[open_] + hi[open_] + 1) // 2
+            up = C[pj[open_] * k + mid] > C[pi[open_] * k + mid]
+            lo[open_[up]] = mid[up]
+            hi[open_[~up]] = mid[~up] - 1
+        trans = np.zeros((S, S))
+        trans[pi, pj] = levels[lo]
         F = MR + SX + c.out_grad * out_g + c.in_grad * in_g + c.transient * trans
         TA = Af @ T
         H = TA[None, :] - TA[:, None]

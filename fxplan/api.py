@@ -1,0 +1,289 @@
+"""The torch-facing planning API: model + example inputs + budget in bytes -> Plan.
+
+The solvers (:mod:`fxplan.dp`, :mod:`fxplan.chen`) work on a CostGraph and predict the bytes of
+activations and their gradients. Users give budgets for the whole step as measured by
+:func:`fxplan.measure_step`, so this layer adds what is resident for the whole step (parameters, their
+gradients, buffers, inputs) before comparing with a budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from fxplan import chen, dp
+from fxplan.codegen import SegmentedModule, segment_module
+from fxplan.costgraph import CostGraph
+from fxplan.errors import BudgetError, FxplanError
+from fxplan.measure import measure_step
+from fxplan.plan import Plan
+from fxplan.trace import trace, trace_module
+
+logger = logging.getLogger("fxplan")
+
+GiB = 1024**3
+SOLVERS = ("approx", "exact", "chen")
+STRATEGIES = ("time", "memory")
+
+
+def resident_bytes(cg: CostGraph, model: torch.nn.Module) -> int:
+    """Bytes held for the whole step besides activations: parameters, their gradients, buffers, inputs."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return int(cg.graph["param_bytes"] + grads + buffers + cg.graph["input_bytes"])
+
+
+def budget_to_bytes(budget_gb: float | None) -> int | None:
+    """GiB (as users write them) to bytes, validating the value."""
+    if budget_gb is None:
+        return None
+    if not isinstance(budget_gb, (int, float)) or not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise FxplanError(f"budget_gb must be a positive number of GiB, got {budget_gb!r}")
+    return int(budget_gb * GiB)
+
+
+def check_choices(strategy: str, solver: str) -> None:
+    """Raise a clear FxplanError for an unknown strategy or solver name."""
+    if solver not in SOLVERS:
+        raise FxplanError(f"solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
+    if strategy not in STRATEGIES:
+        raise FxplanError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+
+
+def solve_graph(cg: CostGraph, activation_budget: int | None, *, strategy: str, solver: str) -> Plan:
+    """Run the chosen solver on a cost graph with a budget for activations (bytes, or None)."""
+    check_choices(strategy, solver)
+    if activation_budget is not None and activation_budget <= 0:
+        raise BudgetError("the budget does not even cover the parameters, gradients and inputs",
+                          min_feasible_bytes=None)
+    if solver == "chen":
+        variant = "sqrt" if activation_budget is None else "greedy"
+        return chen.solve(cg, activation_budget, variant=variant)
+    return dp.solve(cg, activation_budget, strategy=strategy, exact=solver == "exact")
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    budget_gb: float | None,
+    strategy: str = "time",
+    solver: str = "approx",
+) -> Plan:
+    """Plan recomputation for one training step of ``model`` within ``budget_gb`` GiB of peak memory.
+
+    ``strategy``: ``"time"`` (least recomputation within the budget) or ``"memory"`` (lowest peak,
+    Kusumoto et al. section 4.4). ``solver``: ``"approx"`` (pruned lower sets, fast), ``"exact"`` (all
+    lower sets) or ``"chen"`` (Chen et al.'s greedy plan). ``budget_gb=None`` plans for the smallest
+    feasible budget. Inputs may be fake tensors; nothing is allocated. The plan's
+    ``predicted_peak_bytes`` is converted to whole-step bytes (resident bytes added).
+
+    Raises :class:`BudgetError` with ``min_feasible_bytes`` (whole-step bytes) if nothing fits.
+    """
+    cg = trace(model, example_inputs)
+    return plan_graph(cg, model, budget_to_bytes(budget_gb), strategy=strategy, solver=solver)
+
+
+def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, *, strategy: str,
+               solver: str) -> Plan:
+    """:func:`plan` on an already traced cost graph; budgets and predictions in whole-step bytes."""
+    resident = resident_bytes(cg, model)
+    if budget_bytes is None and strategy == "time" and solver != "chen":
+        budget_bytes = min_budget_bytes_graph(cg, model, solver=solver)
+    activation_budget = None if budget_bytes is None else budget_bytes - resident
+    try:
+        result = solve_graph(cg, activation_budget, strategy=strategy, solver=solver)
+    except BudgetError as exc:
+        smallest = None if exc.min_feasible_bytes is None else exc.min_feasible_bytes + resident
+        if smallest is None and solver != "chen":
+            smallest = min_budget_bytes_graph(cg, model, solver=solver)
+        raise BudgetError(
+            f"no {solver} plan fits a peak of {budget_bytes / GiB:.3f} GiB; the smallest feasible budget is "
+            + (f"{smallest / GiB:.3f} GiB ({smallest} bytes)" if smallest else "unknown")
+            + f", of which {resident / GiB:.3f} GiB are parameters, gradients, buffers and inputs.",
+            min_feasible_bytes=smallest,
+        ) from exc
+    return replace(result, predicted_peak_bytes=result.predicted_peak_bytes + resident,
+                   budget_bytes=budget_bytes,
+                   segment_peak_bytes=[b + resident for b in result.segment_peak_bytes])
+
+
+def min_budget_bytes_graph(cg: CostGraph, model: torch.nn.Module, *, solver: str = "approx") -> int:
+    """The smallest whole-step budget (bytes) for which the solver finds a plan."""
+    if solver not in ("approx", "exact"):
+        raise FxplanError(f"min_budget_bytes needs solver 'approx' or 'exact', got {solver!r}")
+    return dp.min_budget_bytes(cg, exact=solver == "exact") + resident_bytes(cg, model)
+
+
+def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, solver: str = "approx") -> int:
+    """The smallest peak (bytes, whole step) any plan of ``solver`` is predicted to reach."""
+    return min_budget_bytes_graph(trace(model, example_inputs), model, solver=solver)
+
+
+# ----------------------------------------------------------------------------------------------
+# rewrite: plan, generate code, and hold the plan to measured memory
+
+#: Rounds of bisection over the solver's budget when its first plan overshoots the measured budget.
+BISECTION_ROUNDS = 6
+
+
+def rewrite(
+    model: torch.nn.Module,
+    budget_gb: float | None = None,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    strategy: str = "time",
+    solver: str = "approx",
+    plan: Plan | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> torch.nn.Module:
+    """A drop-in replacement of ``model`` that recomputes activations so one training step fits ``budget_gb``.
+
+    With ``example_inputs`` (real or fake tensors) the model is planned now and a
+    :class:`~fxplan.codegen.SegmentedModule` (a ``torch.fx.GraphModule``) is returned; without them a
+    module is returned that plans on its first call and re-plans when input shapes change.
+    ``budget_gb=None`` asks for the smallest feasible budget. ``plan`` skips planning and uses the given
+    plan as is. ``loss_fn(output)`` is the loss used when measuring (default: sum of the outputs).
+
+    The budget is held to *measured* memory: each candidate plan is measured with
+    :func:`fxplan.measure_step` on fake tensors, and the solver's budget is tightened until the measured
+    peak fits. The result carries ``fxplan_plan`` (predicted peak, recompute fraction, segments) and
+    ``fxplan_measured_peak_bytes``. Raises :class:`BudgetError` with the smallest budget that fits.
+    """
+    _check_model(model)
+    if plan is not None:
+        return _attach(segment_module(trace_module(model), plan.segments), plan, None)
+    budget_bytes = budget_to_bytes(budget_gb)
+    check_choices(strategy, solver)
+    if example_inputs is None:
+        return LazyRewrite(model, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    return fit_budget(model, tuple(example_inputs), budget_bytes, strategy=strategy, solver=solver,
+                      loss_fn=loss_fn)
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
+
+
+def _attach(module: SegmentedModule, chosen: Plan, measured: int | None) -> SegmentedModule:
+    module.fxplan_plan = chosen
+    module.fxplan_measured_peak_bytes = measured
+    return module
+
+
+def fit_budget(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    budget_bytes: int | None,
+    *,
+    strategy: str,
+    solver: str,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> SegmentedModule:
+    """Plan, rewrite and measure until the measured peak of one step is within ``budget_bytes``.
+
+    The solver's memory model is a prediction. When the plan for the budget measures above it, the
+    budget given to the solver is bisected between the solver's smallest feasible budget and the
+    user's budget, measuring each candidate, and the plan with the largest solver budget (least
+    recomputation) whose measured peak fits is returned.
+    """
+    cg = trace(model, example_inputs)
+    measured: dict[tuple[int | None, str], tuple[SegmentedModule, int] | None] = {}
+
+    def attempt(target: int | None, how: str = strategy) -> tuple[SegmentedModule, int] | None:
+        if (target, how) not in measured:
+            try:
+                chosen = plan_graph(cg, model, target, strategy=how, solver=solver)
+            except BudgetError:
+                measured[target, how] = None
+            else:
+                module = segment_module(cg.graph["gm"], chosen.segments)
+                peak = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn).peak_bytes
+                logger.debug("solver budget %s: %d segments, predicted %d, measured %d bytes", target,
+                             len(chosen.segments), chosen.predicted_peak_bytes, peak)
+                measured[target, how] = (_attach(module, chosen, peak), peak)
+        return measured[target, how]
+
+    if budget_bytes is None:
+        return attempt(None)[0]
+    first = attempt(budget_bytes)
+    if first is not None and first[1] <= budget_bytes:
+        return first[0]
+    good_target = (min_budget_bytes_graph(cg, model, solver=solver) if solver != "chen"
+                   else resident_bytes(cg, model) + 1)
+    good = attempt(good_target) if strategy == "time" else None
+    if good is None or good[1] > budget_bytes:
+        raise _infeasible(budget_bytes, attempt, measured)
+    bad_target = budget_bytes
+    for _ in range(BISECTION_ROUNDS):
+        mid = (good_target + bad_target) // 2
+        candidate = attempt(mid)
+        if candidate is not None and candidate[1] <= budget_bytes:
+            good, good_target = candidate, mid
+        else:
+            bad_target = mid
+    return good[0]
+
+
+def _infeasible(budget_bytes: int, attempt, measured) -> BudgetError:
+    """A BudgetError naming the smallest measured peak among the plans tried and the memory-centric one."""
+    attempt(None, "memory")
+    smallest = min(result[1] for result in measured.values() if result is not None)
+    return BudgetError(
+        f"no plan fits a measured peak of {budget_bytes / GiB:.3f} GiB ({budget_bytes} bytes); the smallest "
+        f"measured peak fxplan reaches is {smallest / GiB:.3f} GiB ({smallest} bytes). Raise budget_gb to at "
+        "least that, or reduce the batch size.",
+        min_feasible_bytes=smallest,
+    )
+
+
+class LazyRewrite(torch.nn.Module):
+    """``fxplan.rewrite`` without example inputs: plans on the first training call, re-plans on new shapes.
+
+    It owns the original module tree under the original names (same ``state_dict`` keys). In
+    ``eval()`` mode or under ``torch.no_grad()`` it runs the original forward and plans nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget_bytes: int | None, *, strategy: str, solver: str,
+                 loss_fn: Callable[[Any], torch.Tensor] | None):
+        super().__init__()
+        self.__dict__["_modules"] = model._modules
+        self.__dict__["_parameters"] = model._parameters
+        self.__dict__["_buffers"] = model._buffers
+        self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+        self.__dict__["_fxplan_original"] = model
+        self.__dict__["fxplan_module"] = None
+        self._settings = dict(budget_bytes=budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
+        self._shapes: tuple | None = None
+
+    @property
+    def fxplan_plan(self) -> Plan | None:
+        return None if self.fxplan_module is None else self.fxplan_module.fxplan_plan
+
+    def forward(self, *args: Any) -> Any:
+        original = self._fxplan_original
+        original.train(self.training)
+        if not (self.training and torch.is_grad_enabled()):
+            return original(*args)
+        shapes = _shape_key(args)
+        if shapes != self._shapes:
+            if self._shapes is None:
+                logger.info("fxplan: planning for input shapes %s", shapes)
+            else:
+                logger.warning("fxplan: input shapes changed from %s to %s; re-planning", self._shapes, shapes)
+            module = fit_budget(original, args, **self._settings)
+            self.__dict__["fxplan_module"] = module
+            self._shapes = shapes
+        self.fxplan_module.train(self.training)
+        return self.fxplan_module(*args)
+
+
+def _shape_key(args: Sequence[Any]) -> tuple:
+    return tuple((tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
+                 for t in args)
