@@ -210,7 +210,7 @@ def _fxplan(strategy: str, solver: str, point: float | None = None) -> Callable[
         start = time.perf_counter()
         with time_limit(ctx.time_limit if solver == "exact" else None):
             module = rewrite(ctx.model, budget_gb, example_inputs=ctx.paper_inputs, strategy=strategy,
-                             solver=solver)
+                             solver=solver, loss_fn=ctx.loss_fn)
         seconds = time.perf_counter() - start
         plan = getattr(module, "fxplan_plan", None)
         info: dict[str, Any] = {"budget": label, "plan_seconds": seconds}

@@ -225,11 +225,11 @@ def test_cli_handler_writes_the_report(tmp_path, monkeypatch, capsys):
 @pytest.mark.skipif(not hasattr(fxplan, "rewrite"), reason="fxplan.rewrite has not landed in this checkout")
 def test_fxplan_rows_use_the_real_planner():
     methods = [m for m in default_methods(compile_budgets=(), curve_points=(0.5,))
-               if m.name in ("vanilla", "approx-time", "approx-memory", "chen", "approx-time@0.5")]
+               if m.name in ("vanilla", "approx-time", "approx-time@0.5")]
     rows, _ = compare_network("tiny", TinyChain(), loss, inputs, batch=16, input_size=32, small_batch=2,
                               small_input_size=16, methods=methods, repeats=1)
     by = {r.method: r for r in rows}
-    for name in ("approx-time", "approx-memory", "chen", "approx-time@0.5"):
+    for name in ("approx-time", "approx-time@0.5"):
         r = by[name]
         assert r.status == "ok", r.note
         assert r.predicted_peak_bytes and r.segments and r.plan_seconds is not None
