@@ -1,0 +1,126 @@
+"""The public planning API: fxplan.plan, fxplan.min_budget_bytes, fxplan.rewrite and budget fidelity."""
+
+import logging
+
+import pytest
+import torch
+import torchvision
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fxplan
+from fxplan import BudgetError, FxplanError
+from fxplan.measure import measure_step
+
+GiB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(weights=None).train()
+
+
+@pytest.fixture(scope="module")
+def fake_batch():
+    with FakeTensorMode():
+        return (torch.randn(64, 3, 224, 224),)
+
+
+@pytest.fixture(scope="module")
+def vanilla_peak(resnet, fake_batch):
+    return measure_step(resnet, fake_batch, fake=True).peak_bytes
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.7])
+def test_rewrite_fits_the_budget_when_measured(resnet, fake_batch, vanilla_peak, fraction):
+    budget = fraction * vanilla_peak
+    optimized = fxplan.rewrite(resnet, budget / GiB, example_inputs=fake_batch)
+    measured = measure_step(optimized, fake_batch, fake=True).peak_bytes
+    assert measured <= budget
+    assert optimized.fxplan_measured_peak_bytes == measured
+    assert optimized.fxplan_plan.num_segments > 1
+    assert optimized.state_dict().keys() == resnet.state_dict().keys()
+
+
+def test_smallest_budget_is_what_none_gives_and_below_it_is_a_budget_error(resnet, fake_batch, vanilla_peak):
+    smallest = fxplan.rewrite(resnet, None, example_inputs=fake_batch)
+    reached = smallest.fxplan_measured_peak_bytes
+    assert reached < 0.7 * vanilla_peak
+    with pytest.raises(BudgetError) as info:
+        fxplan.rewrite(resnet, 0.5 * reached / GiB, example_inputs=fake_batch)
+    assert info.value.min_feasible_bytes is not None
+    assert info.value.min_feasible_bytes <= reached
+    assert "GiB" in str(info.value)
+
+
+def test_memory_centric_is_not_above_time_centric(resnet, fake_batch, vanilla_peak):
+    budget = 0.8 * vanilla_peak / GiB
+    time_centric = fxplan.rewrite(resnet, budget, example_inputs=fake_batch, strategy="time")
+    memory_centric = fxplan.rewrite(resnet, budget, example_inputs=fake_batch, strategy="memory")
+    # Predicted peaks are ordered exactly; measured ones may differ by a few tensors of bookkeeping.
+    assert memory_centric.fxplan_plan.predicted_peak_bytes <= time_centric.fxplan_plan.predicted_peak_bytes
+    assert memory_centric.fxplan_measured_peak_bytes <= 1.01 * time_centric.fxplan_measured_peak_bytes
+    assert memory_centric.fxplan_plan.recompute_fraction >= time_centric.fxplan_plan.recompute_fraction
+
+
+def test_plan_api_and_min_budget(resnet, fake_batch, vanilla_peak):
+    smallest = fxplan.min_budget_bytes(resnet, fake_batch)
+    assert 0 < smallest < vanilla_peak
+    p = fxplan.plan(resnet, fake_batch, budget_gb=0.8 * vanilla_peak / GiB)
+    assert p.predicted_peak_bytes <= 0.8 * vanilla_peak
+    assert 0 < p.recompute_fraction <= 1
+    assert sum(len(s) for s in p.segments) == 69
+    assert fxplan.Plan.from_json(p.to_json()) == p
+    with pytest.raises(BudgetError) as info:
+        fxplan.plan(resnet, fake_batch, budget_gb=0.5 * smallest / GiB)
+    assert info.value.min_feasible_bytes == smallest
+
+
+def test_chen_solver_through_the_api(resnet, fake_batch, vanilla_peak):
+    p = fxplan.plan(resnet, fake_batch, budget_gb=0.95 * vanilla_peak / GiB, solver="chen")
+    assert p.solver == "chen" and p.num_segments > 1
+
+
+def test_rewrite_with_a_given_plan_trains_like_the_original(resnet):
+    p = fxplan.plan(resnet, (torch.randn(2, 3, 32, 32),), budget_gb=None, strategy="memory")
+    optimized = fxplan.rewrite(resnet, plan=p)
+    x = torch.randn(2, 3, 32, 32)
+    ref = torchvision.models.resnet18(weights=None).train()
+    ref.load_state_dict(resnet.state_dict())
+    ref(x).sum().backward()
+    optimized(x).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), resnet.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    resnet.zero_grad(set_to_none=True)
+
+
+def test_lazy_rewrite_plans_on_first_call_and_replans_on_new_shapes(resnet, caplog):
+    lazy = fxplan.rewrite(resnet, 0.5)
+    assert lazy.fxplan_plan is None
+    assert lazy.state_dict().keys() == resnet.state_dict().keys()
+    with caplog.at_level(logging.INFO, logger="fxplan"):
+        lazy(torch.randn(2, 3, 32, 32)).sum().backward()
+        first = lazy.fxplan_plan
+        lazy(torch.randn(2, 3, 32, 32)).sum().backward()
+        assert lazy.fxplan_plan is first
+        lazy(torch.randn(4, 3, 32, 32)).sum().backward()
+    assert lazy.fxplan_plan is not first
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("planning for input shapes" in m for m in messages)
+    assert any("re-planning" in m for m in messages)
+    lazy.eval()
+    with torch.no_grad():
+        assert lazy(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
+    resnet.zero_grad(set_to_none=True)
+    resnet.train()
+
+
+def test_bad_arguments_are_fxplan_errors(resnet, fake_batch):
+    with pytest.raises(FxplanError, match="budget_gb"):
+        fxplan.rewrite(resnet, -1, example_inputs=fake_batch)
+    with pytest.raises(FxplanError, match="solver"):
+        fxplan.rewrite(resnet, 1, example_inputs=fake_batch, solver="magic")
+    with pytest.raises(FxplanError, match="strategy"):
+        fxplan.plan(resnet, fake_batch, budget_gb=1, strategy="fast")
+    with pytest.raises(FxplanError, match="nn.Module"):
+        fxplan.rewrite(lambda x: x, 1)
