@@ -1,0 +1,403 @@
+"""segment_module: structure of the rewritten module, plan validation, modes, copies, memory."""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import fxplan.recompute
+from fxplan.codegen import SegmentedModule, segment_module
+from fxplan.effects import ordering_edges
+from fxplan.errors import FxplanError
+from models_awkward import (
+    BNNet,
+    InplaceZoo,
+    RandomNet,
+    assert_same_training,
+    chunks,
+    compute_names,
+    step,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rewrite(model, plan_fn):
+    gm = fx.symbolic_trace(model)
+    return segment_module(gm, plan_fn(gm))
+
+
+# ---------------------------------------------------------------------------------------------
+# structure
+
+
+def test_top_level_code_reads_like_hand_written_code():
+    model = torchvision.models.resnet18()
+    opt = rewrite(model, lambda gm: chunks(compute_names(gm), 4))
+    code = opt.code
+    calls = re.findall(r"self\.(segment_\d+)\(", code)
+    assert calls == ["segment_0", "segment_1", "segment_2", "segment_3"]
+    assert re.search(r"= self\.segment_0\(x\)", code)
+    assert "getattr(self.layer1" not in code  # the blocks live in the segments
+    assert "self.conv1(x)" in opt.segment_0.code  # with the original names
+    assert "self.fc(" in opt.segment_3.code
+    text = opt.readable()
+    assert text.count("recomputed in backward") == 3 and text.count("kept for backward") == 1
+    assert isinstance(opt, fx.GraphModule) and isinstance(opt, SegmentedModule)
+
+
+def test_values_are_freed_after_last_use():
+    model = torchvision.models.resnet18()
+    opt = rewrite(model, lambda gm: chunks(compute_names(gm), 4))
+    # FX code generation drops each name after its last use, in the top level and in segments.
+    assert "x = None" in opt.code
+    assert "layer1_0_conv1 = None" in opt.segment_0.code or "layer1_0_conv1 = None" in opt.segment_1.code
+
+
+def test_boundary_values_only_cross_segments():
+    model = torchvision.models.resnet18()
+    gm = fx.symbolic_trace(model)
+    names = compute_names(gm)
+    plan = chunks(names, 3)
+    opt = segment_module(gm, plan)
+    for i, seg in enumerate(opt.segment_modules()):
+        inputs = [n.name for n in seg.graph.nodes if n.op == "placeholder"]
+        earlier = {v for s in plan[:i] for v in s} | {"x"}
+        assert set(inputs) <= earlier
+        users_later = {
+            u.name
+            for n in gm.graph.nodes
+            if n.name in set(plan[i])
+            for u in n.users
+            if u.name not in set(plan[i])
+        }
+        assert users_later  # something crosses
+        out = next(n for n in seg.graph.nodes if n.op == "output").args[0]
+        outs = [o.name for o in (out if isinstance(out, tuple) else (out,))]
+        for o in outs:  # every output is used later
+            producer = next(n for n in gm.graph.nodes if n.name == o)
+            assert any(u.name not in set(plan[i]) for u in producer.users)
+
+
+def test_state_dict_keys_and_parameters_are_the_originals():
+    model = torchvision.models.resnet18()
+    keys = list(model.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+    opt = rewrite(model, lambda gm: chunks(compute_names(gm), 5))
+    assert list(opt.state_dict()) == keys
+    assert [n for n, _ in opt.named_parameters()] == names
+    assert all(p is q for p, q in zip(model.parameters(), opt.parameters()))  # shared, not copied
+    for seg in opt.segment_modules():
+        assert list(seg.parameters()) == [] and list(seg.buffers()) == [] and seg.state_dict() == {}
+    opt.load_state_dict(torchvision.models.resnet18().state_dict())
+
+
+def test_attribute_parameters_buffers_and_constants():
+    class WithAttrs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.5))
+            self.register_buffer("offset", torch.ones(4))
+            self.l1 = nn.Linear(4, 4)
+            self.l2 = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.l1(x) * self.scale + self.offset)
+            return self.l2(h) * self.scale, self.scale
+
+    torch.manual_seed(0)
+    model = WithAttrs()
+    opt = rewrite(copy.deepcopy(model), lambda gm: chunks(compute_names(gm), 3))
+    assert list(opt.state_dict()) == ["scale", "offset", "l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+    assert_same_training(copy.deepcopy(model), opt, (torch.randn(3, 4),))
+
+
+def test_segment_without_outputs_and_single_segment_plan():
+    class Dead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(3, 3)
+
+        def forward(self, x):
+            torch.sigmoid(x)  # traced, never used
+            return self.l(x).relu()
+
+    torch.manual_seed(0)
+    model = Dead()
+    names = compute_names(fx.symbolic_trace(model))
+    assert names[0] == "sigmoid"
+    opt = rewrite(copy.deepcopy(model), lambda gm: [names[:1], names[1:]])
+    assert "return ()" in opt.segment_0.code
+    assert_same_training(copy.deepcopy(model), opt, (torch.randn(2, 3),))
+    single = rewrite(copy.deepcopy(model), lambda gm: [names])
+    assert not single.segment_0.fxplan_recompute
+    assert_same_training(copy.deepcopy(model), single, (torch.randn(2, 3),))
+
+
+# ---------------------------------------------------------------------------------------------
+# modes: recomputation only when training with grad
+
+
+def _count_checkpoints(monkeypatch):
+    calls = []
+    real = fxplan.recompute.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fxplan.recompute, "checkpoint", counting)
+    return calls
+
+
+def test_recomputation_only_in_training_with_grad(monkeypatch):
+    calls = _count_checkpoints(monkeypatch)
+    model = BNNet()
+    opt = rewrite(model, lambda gm: chunks(compute_names(gm), 3))
+    runs = []
+    opt.conv.register_forward_hook(lambda *a: runs.append("conv"))  # segment 0: recomputed
+    opt.bn1d.register_forward_hook(lambda *a: runs.append("bn1d"))  # last segment: kept
+    x = torch.randn(3, 3, 8, 8)
+    step(opt, (x,))
+    assert len(calls) == 2 and runs.count("conv") == 2 and runs.count("bn1d") == 1
+    calls.clear(), runs.clear()
+    with torch.no_grad():
+        opt(x)
+    opt.eval()
+    opt(x)
+    opt(x).sum()
+    assert calls == [] and runs.count("conv") == 3
+    opt.train()
+    with torch.inference_mode():
+        opt(x)
+    assert calls == []
+
+
+def test_eval_mode_matches_original():
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = rewrite(copy.deepcopy(model), lambda gm: chunks(compute_names(gm), 3))
+    x = torch.randn(3, 3, 8, 8)
+    step(model, (x,)), step(opt, (x,))  # one training step moves the running statistics
+    model.eval(), opt.eval()
+    assert not opt.segment_0.training and not opt.bn.training
+    assert torch.equal(model(x), opt(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# plan validation
+
+
+@pytest.fixture
+def small():
+    model = BNNet()
+    gm = fx.symbolic_trace(model)
+    return gm, compute_names(gm)
+
+
+def test_rejects_missing_duplicate_unknown_and_non_compute(small):
+    gm, names = small
+    with pytest.raises(FxplanError, match="leaves out"):
+        segment_module(gm, [names[:-1]])
+    with pytest.raises(FxplanError, match="appears in segments 0 and 1"):
+        segment_module(gm, [names[:3], names[2:]])
+    with pytest.raises(FxplanError, match="not a node"):
+        segment_module(gm, [names + ["nope"]])
+    with pytest.raises(FxplanError, match="placeholder"):
+        segment_module(gm, [["x"] + names])
+    with pytest.raises(FxplanError, match="empty"):
+        segment_module(gm, [names, []])
+    with pytest.raises(FxplanError, match="no segments"):
+        segment_module(gm, [])
+    with pytest.raises(FxplanError, match="list of lists"):
+        segment_module(gm, "conv")
+    with pytest.raises(FxplanError, match="GraphModule"):
+        segment_module(BNNet(), [names])
+
+
+def test_rejects_segments_out_of_execution_order(small):
+    gm, names = small
+    with pytest.raises(FxplanError, match="uses 'conv' from later segment 1"):
+        segment_module(gm, [names[1:], names[:1]])
+
+
+def test_rejects_reordered_random_ops():
+    class TwoDropouts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.d1 = nn.Dropout(0.5)
+            self.d2 = nn.Dropout(0.5)
+
+        def forward(self, x, y):
+            return self.d1(x) + self.d2(y)
+
+    gm = fx.symbolic_trace(TwoDropouts())
+    assert ("d1", "d2") in ordering_edges(gm)
+    with pytest.raises(FxplanError, match="random op 'd2'.*before 'd1'"):
+        segment_module(gm, [["d2"], ["d1", "add"]])
+    segment_module(gm, [["d1"], ["d2", "add"]])  # program order is fine
+
+
+def test_rejects_read_moved_before_the_inplace_op_it_follows():
+    class ReadAfterWrite(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(3, 3)
+            self.l2 = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.l1(x)
+            h.add_(1.0)
+            return self.l2(h)  # reads h after add_ overwrote it
+
+    gm = fx.symbolic_trace(ReadAfterWrite())
+    assert ("add_", "l2") in ordering_edges(gm)
+    with pytest.raises(FxplanError, match="reads 'l1' after in-place op 'add_'"):
+        segment_module(gm, [["l1", "l2"], ["add_"]])
+
+
+def test_read_moved_after_inplace_op_gets_a_copy():
+    """Anti-dependence: a reader of the old value that the plan runs after the in-place op."""
+
+    class ReadBeforeWrite(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.l1(x)
+            s = h * 3.0
+            h.add_(1.0)
+            return s + h
+
+    torch.manual_seed(0)
+    model = ReadBeforeWrite()
+    opt = rewrite(copy.deepcopy(model), lambda gm: [["l1", "add_"], ["mul", "add"]])
+    assert "l1_copy = l1.clone()" in opt.segment_0.code
+    assert_same_training(copy.deepcopy(model), opt, (torch.randn(2, 3),))
+
+
+def test_inplace_op_on_a_recomputed_segment_input_is_made_out_of_place():
+    torch.manual_seed(0)
+    model = InplaceZoo()
+    gm = fx.symbolic_trace(copy.deepcopy(model))
+    names = compute_names(gm)
+    cut = names.index("relu")  # F.relu(u, inplace=True) starts segment 1, u comes from segment 0
+    opt = segment_module(gm, [names[:cut], names[cut : cut + 3], names[cut + 3 :]])
+    assert re.search(r"(\w+)_copy = \1\.clone\(\)", opt.segment_1.code)
+    assert "inplace = True" in opt.segment_1.code  # still the in-place op, on a private copy
+    assert_same_training(copy.deepcopy(model), opt, (torch.randn(5, 6),))
+
+
+class StepCounter(nn.Module):
+    """Counts its calls in a buffer (like a power-iteration vector, an EMA, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return x * 2.0
+
+
+class _CounterLeaf(fx.Tracer):
+    def is_leaf_module(self, m, qualname):
+        return isinstance(m, StepCounter) or super().is_leaf_module(m, qualname)
+
+
+def test_buffer_mutated_by_a_recomputed_module_is_updated_once():
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.counter = StepCounter()
+            self.l = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return torch.tanh(self.l(self.counter(x))).sum()
+
+    root = Counted()
+    gm = fx.GraphModule(root, _CounterLeaf().trace(root))
+    opt = segment_module(gm, [["counter", "l"], ["tanh", "sum_1"]])
+    x = torch.randn(2, 3)
+    with pytest.warns(RuntimeWarning, match="mutated buffers \\['counter.steps'\\]"):
+        step(opt, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # learned: from now on replayed from the saved value
+        step(opt, (x,))
+        step(opt, (x,))
+    assert int(opt.counter.steps) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# copies
+
+
+def test_deepcopy_and_pickle_give_independent_equivalent_modules():
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = rewrite(copy.deepcopy(model), lambda gm: chunks(compute_names(gm), 3))
+    opt.fxplan_note = "kept"
+    twin = copy.deepcopy(opt)
+    assert isinstance(twin, SegmentedModule) and twin.bn is not opt.bn
+    assert twin.fxplan_segments == opt.fxplan_segments and twin.fxplan_note == "kept"
+    assert list(twin.state_dict()) == list(opt.state_dict())
+    assert twin.segment_0.code == opt.segment_0.code
+    assert_same_training(opt, twin, (torch.randn(3, 3, 8, 8),))
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded, SegmentedModule) and loaded._get_name() == "BNNet"
+    assert_same_training(opt, loaded, (torch.randn(3, 3, 8, 8),))
+
+
+def test_segments_cannot_be_copied_alone():
+    opt = rewrite(BNNet(), lambda gm: chunks(compute_names(gm), 2))
+    with pytest.raises(TypeError, match="deep-copy the module"):
+        copy.deepcopy(opt.segment_0)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory, measured with fxplan.measure
+
+
+def test_eight_segment_resnet_has_lower_measured_peak():
+    from fxplan.measure import measure_step
+
+    model = torchvision.models.resnet50()
+    x = torch.randn(8, 3, 224, 224)  # fake tensors: nothing of this size is allocated
+    base = measure_step(model, (x,), fake=True).peak_bytes
+    opt = rewrite(copy.deepcopy(model), lambda gm: chunks(compute_names(gm), 8))
+    peak = measure_step(opt, (x,), fake=True).peak_bytes
+    assert peak < 0.6 * base  # 444 vs 801 MiB on torch 2.14.1
+
+
+def test_checkpointed_model_fake_measure_equals_real_measure():
+    """Under fake tensors (parameters converted to fake) the recomputing model measures the same
+    peak as the real CPU run."""
+    from fxplan.measure import measure_step
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18()
+    x = torch.randn(2, 3, 64, 64)
+    opt = rewrite(model, lambda gm: chunks(compute_names(gm), 4))
+    fake = measure_step(opt, (x,), fake=True)
+    real = measure_step(opt, (x,), fake=False)
+    assert fake.peak_bytes == real.peak_bytes
+    assert int(opt.bn1.num_batches_tracked) == 0  # measuring leaves the model untouched
