@@ -5,6 +5,7 @@ Public modules besides what is re-exported here: ``fxplan.trace`` (model -> Cost
 (plan -> GraphModule), ``fxplan.bptt`` (memory-efficient BPTT).
 """
 
+from fxplan import bptt
 from fxplan.api import min_budget_bytes, plan, rewrite
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError, TraceError
@@ -12,7 +13,7 @@ from fxplan.measure import StepStats, measure_step, track_memory
 from fxplan.plan import Plan
 
 __all__ = [
-    "BudgetError", "CostGraph", "FxplanError", "Plan", "StepStats", "TraceError", "measure_step",
+    "BudgetError", "CostGraph", "bptt", "FxplanError", "Plan", "StepStats", "TraceError", "measure_step",
     "min_budget_bytes", "plan", "rewrite", "track_memory",
 ]
 __version__ = "0.1.0"

@@ -12,7 +12,10 @@ Node attributes:
 ``kind``   short op kind: ``"conv"``, ``"linear"``, ``"bn"``, ``"relu"``, ``"add"``, ``"cat"``, ...
 ``target`` a readable name of what the node runs (module path or function name)
 
-Graph attributes (``cg.graph[...]``): ``param_bytes``, ``input_bytes``, ``name``.
+Edges that carry no data but keep program order (random ops, readers after an in-place write) have
+the attribute ``order_only=True``.
+
+Graph attributes (``cg.graph[...]``): ``param_bytes``, ``input_bytes``, ``name``, ``gm``.
 
 The planner knows nothing of torch: it only reads ``T``, ``M`` and the edges, so it can be tested on
 graphs built with :meth:`CostGraph.from_edges`.

@@ -13,6 +13,11 @@ through a private fake-tensor copy of the model, one node at a time, to record p
   and the bytes of anything else it keeps (``saved``: BatchNorm statistics, pooling indices, masks);
 * ``alias_of``: the predecessor whose storage the output shares (views and in-place ops), else None.
 
+Besides data edges, the graph holds ``order_only`` edges (see :func:`fxplan.effects.ordering_edges`):
+random ops keep their program order, and readers after an in-place write stay after it, so every
+plan over the graph is one the rewriter can run exactly. Solvers treat them like data edges, which
+can only overestimate memory.
+
 Propagation runs on fake tensors, so it allocates nothing, works at any batch size and leaves the
 user's model (parameters, BatchNorm statistics) untouched.
 """
@@ -31,6 +36,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxplan.costgraph import CostGraph
+from fxplan.effects import ordering_edges
 from fxplan.errors import TraceError
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
@@ -223,6 +229,11 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
         for pred in node.all_input_nodes:
             if pred.op in COMPUTE_OPS:
                 cg.add_edge(pred.name, node.name)
+    # Program order that data edges do not carry (random draws, readers after an in-place write):
+    # plans must keep it, so it joins the graph as edges that carry no data.
+    for before, after in ordering_edges(gm):
+        if not cg.has_edge(before, after):
+            cg.add_edge(before, after, order_only=True)
     return cg
 
 
