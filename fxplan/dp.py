@@ -48,6 +48,9 @@ FAMILY_LIMIT = 2500
 
 _EPS = 1e-6
 
+DEFAULT_TIME_LIMIT = 600.0
+"""Seconds after which the exact DP's search engine gives up (FxplanError) unless told otherwise."""
+
 
 # ------------------------------------------------------------------------------------------ fronts
 def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool, tol: float = 0.0) -> np.ndarray:
@@ -305,7 +308,7 @@ def _run(ix: GraphIndex, bm: BoundModel, objective: str, budget: float | None, e
 
 
 def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, engine: str = "auto",
-                     time_limit: float | None = None) -> int:
+                     time_limit: float | None = DEFAULT_TIME_LIMIT) -> int:
     """The smallest budget (bytes) for which this DP finds a plan: min over plans of the predicted peak.
 
     Exact for the family searched (all lower sets if ``exact``, else the pruned family), found directly by
@@ -320,7 +323,7 @@ def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, e
 
 
 def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", exact: bool = False,
-          memory_model=None, engine: str = "auto", time_limit: float | None = None) -> Plan:
+          memory_model=None, engine: str = "auto", time_limit: float | None = DEFAULT_TIME_LIMIT) -> Plan:
     """Find a recomputation plan for ``cg`` within ``budget_bytes`` (Kusumoto et al., sections 4.2-4.4).
 
     ``strategy="time"``: least overhead with predicted peak ≤ budget (``None``: no limit).
@@ -328,7 +331,7 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
     given, must be at least that. ``exact``: all lower sets (section 4.2) instead of the pruned family
     {L_v} (section 4.3). ``memory_model``: ``"autograd"`` (default), ``"paper"`` or a model object.
     ``engine`` (exact DP only): ``"auto"``, ``"family"`` or ``"search"``; ``time_limit`` (seconds) stops
-    the exact search engine with an :class:`FxplanError`.
+    the exact search engine with an :class:`FxplanError` (default ``DEFAULT_TIME_LIMIT``; ``None``: never).
 
     Raises :class:`BudgetError` (with ``min_feasible_bytes``) when no plan fits the budget.
     """
