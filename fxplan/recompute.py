@@ -53,6 +53,12 @@ class BufferGuard:
     recomputation context (second element of :meth:`contexts`) swaps each of them for a fresh copy of
     its pre-forward value and puts the real buffer back afterwards, so the real buffers are untouched,
     not even their version counters.
+
+    Version counters alone cannot find every mutation: the native batch norm kernel updates
+    ``running_mean``/``running_var`` without bumping their versions (torch 2.14.1), which is why
+    norm-layer buffers are known up front. A buffer that only a native kernel mutates, in a module
+    that is not a norm layer, would go unnoticed. The swap is visible to other threads that use the
+    same modules during the recomputation (e.g. the original model, which shares them).
     """
 
     def __init__(self, slots: list[tuple[str, torch.nn.Module, str]], known: set[str]):

@@ -10,7 +10,6 @@ import warnings
 import pytest
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 import torchvision
 from torch import nn
 
@@ -21,7 +20,6 @@ from fxplan.errors import FxplanError
 from models_awkward import (
     BNNet,
     InplaceZoo,
-    RandomNet,
     assert_same_training,
     chunks,
     compute_names,
