@@ -160,8 +160,7 @@ def _family_dp(fam: _Family, objective: str, budget: float | None, tol: float = 
 
 
 # ------------------------------------------------------------------------------------------ search engine
-def _successors(bm: BoundModel, L: int, cap: float, add: list[float], mx: list[float]) -> Iterator[
-        tuple[int, float, float, float]]:
+def _successors(bm: BoundModel, L: int, cap: float) -> Iterator[tuple[int, float, float, float]]:
     """Lower sets L' ⊋ L with F(L, L') ≤ cap, with their (F, G, H); prunes on the monotone lower bound."""
     ix = bm.ix
     pred, succ = ix.pred, ix.succ
@@ -169,27 +168,27 @@ def _successors(bm: BoundModel, L: int, cap: float, add: list[float], mx: list[f
     for i in iter_bits(ix.full & ~L):
         if not pred[i] & ~L:
             addable |= 1 << i
-    stack = [(L, addable, 0, 0.0, 0.0)]
+    stack = [(L, addable, 0, bm.inc_start(L))]
+    lim = cap + _EPS
     while stack:
-        cur, ad, lo, s_add, s_mx = stack.pop()
+        cur, ad, lo, st = stack.pop()
         cand = ad >> lo << lo
         while cand:
             low = cand & -cand
             cand ^= low
             i = low.bit_length() - 1
-            na = s_add + add[i]
-            nx = mx[i] if mx[i] > s_mx else s_mx
-            if na + nx > cap + _EPS:
-                continue  # every superset of this segment costs at least as much
             nxt = cur | low
+            nst = bm.inc_add(st, L, nxt, i)
+            if bm.inc_lb(nst) > lim:
+                continue  # every superset of this segment costs at least as much
             nad = ad ^ low
             for j in iter_bits(succ[i]):
                 if not pred[j] & ~nxt:
                     nad |= 1 << j
-            Fv, Gv, Hv = bm.transition(L, nxt)
-            if Fv <= cap + _EPS:
+            Fv, Gv, Hv = bm.inc_eval(nst, L, nxt)
+            if Fv <= lim:
                 yield nxt, Fv, Gv, Hv
-            stack.append((nxt, nad, i + 1, na, nx))
+            stack.append((nxt, nad, i + 1, nst))
 
 
 def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit: float | None,
@@ -198,7 +197,6 @@ def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit:
     ix = bm.ix
     t0 = time.perf_counter()
     lsets = enumerate_lower_sets(ix, limit=limit)
-    add, mx = bm.lb_weights()
     maximize = objective == "memory"
     pending: dict[int, list[tuple[float, float, object]]] = defaultdict(list)
     pending[0].append((0.0, 0.0, None))
@@ -224,12 +222,22 @@ def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit:
             )
         mmin = front[-1][1]
         cap = inf if budget is None else budget - mmin
-        for Lp, Fv, Gv, Hv in _successors(bm, L, cap, add, mx):
+        peak = objective == "peak"
+        for Lp, Fv, Gv, Hv in _successors(bm, L, cap):
             bucket = pending[Lp]
-            for k, (a, m, _) in enumerate(front):
+            best_peak = inf
+            # front: objective ascending (descending for "memory"), cache strictly descending
+            for k in range(len(front) - 1, -1, -1):
+                a, m, _ = front[k]
                 if budget is not None and m + Fv > budget + _EPS:
-                    continue
-                na = max(a, m + Fv) if objective == "peak" else a + Hv
+                    break  # caches only grow towards the front's start
+                if peak:
+                    na = a if a > m + Fv else m + Fv
+                    if na >= best_peak:
+                        continue  # a state with less cache already reaches a lower peak
+                    best_peak = na
+                else:
+                    na = a + Hv
                 bucket.append((na, m + Gv, (L, k)))
     if ix.full not in fronts:
         return None

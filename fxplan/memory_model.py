@@ -67,6 +67,30 @@ class BoundModel:
         """
         raise NotImplementedError
 
+    # -- incremental evaluation for the exact DP's search engine ------------------------------------------
+    # The search grows a segment V' one node at a time (in topological order) from a lower set L. A model
+    # may carry a state along so that each move costs O(degree) instead of O(|V'|). The defaults carry only
+    # the lower bound of :meth:`lb_weights` and evaluate moves from scratch.
+
+    def inc_start(self, L: int) -> tuple:
+        """Search state for the empty segment above L."""
+        if not hasattr(self, "_lbw"):
+            self._lbw = self.lb_weights()
+        return (0.0, 0.0)
+
+    def inc_add(self, st: tuple, L: int, nxt: int, i: int) -> tuple:
+        """State after adding node i (``nxt`` = L ∪ V' with i in it)."""
+        add, mx = self._lbw
+        return (st[0] + add[i], mx[i] if mx[i] > st[1] else st[1])
+
+    def inc_lb(self, st: tuple) -> float:
+        """Lower bound on F for this segment and every larger one (monotone along the search)."""
+        return st[0] + st[1]
+
+    def inc_eval(self, st: tuple, L: int, nxt: int) -> tuple[int, int, float]:
+        """(F, G, H) of the move L → ``nxt``; must equal :meth:`transition`."""
+        return self.transition(L, nxt)
+
     def _common(self, A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Boundary indicator matrix of every set in A and its per-set bytes."""
         ix = self.ix
@@ -187,6 +211,52 @@ class _BoundAutograd(BoundModel):
         F += c.transient * trans
         H = 0.0 if Lp == ix.full else ix.tsum(Vp)
         return F, out_g, H
+
+    # state: (R, M(R), S, I, M(I), B, M(B), max τ, T(V')) with R the saved members of V', I = δ⁻(V') ∩ L
+    # (inputs whose gradients the segment produces) and B = ∂(L') ∩ V' (outputs whose gradients arrive)
+    def inc_start(self, L: int) -> tuple:
+        self._full = self.ix.full
+        return (0, 0, 0, 0, 0, 0, 0, 0, 0.0)
+
+    def inc_add(self, st: tuple, L: int, nxt: int, i: int) -> tuple:
+        ix = self.ix
+        R, MR, S, I, MI, B, MB, mx, TV = st
+        M = ix.M
+        Vp = nxt & ~L
+        new = ((self.si[i] & Vp) | (self.so & (1 << i))) & ~R
+        while new:
+            low = new & -new
+            MR += M[low.bit_length() - 1]
+            R |= low
+            new ^= low
+        new = ix.pred[i] & L & ~I
+        while new:
+            low = new & -new
+            MI += M[low.bit_length() - 1]
+            I |= low
+            new ^= low
+        done = ix.pred[i] & B
+        while done:
+            low = done & -done
+            u = low.bit_length() - 1
+            if not ix.succ[u] & ~nxt:  # u's last consumer just joined: no longer leaves the segment
+                B ^= low
+                MB -= M[u]
+            done ^= low
+        if ix.succ[i]:
+            B |= 1 << i
+            MB += M[i]
+        t = self.tau[i]
+        return (R, MR, S + self.sx[i], I, MI, B, MB, t if t > mx else mx, TV + ix.T[i])
+
+    def inc_lb(self, st: tuple) -> float:
+        c = self.cfg
+        return st[1] + st[2] + c.in_grad * st[4] + c.transient * st[7]
+
+    def inc_eval(self, st: tuple, L: int, nxt: int) -> tuple[int, int, float]:
+        c = self.cfg
+        F = st[1] + st[2] + c.out_grad * st[6] + c.in_grad * st[4] + c.transient * st[7]
+        return F, st[6], 0.0 if nxt == self._full else st[8]
 
     def pair_matrices(self, sets, A):
         ix, c = self.ix, self.cfg
