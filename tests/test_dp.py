@@ -190,3 +190,16 @@ def test_bad_arguments():
         dp.solve(cg, 10, memory_model="nope")
     with pytest.raises(FxplanError):
         dp.solve(cg, -1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(small_dags(max_nodes=7), st.sampled_from(MODELS))
+def test_search_engine_move_costs_agree_with_transition(cg, model):
+    ix = GraphIndex.build(cg)
+    bm = get_model(model).bind(ix)
+    for L in enumerate_lower_sets(ix):
+        seen = []
+        for Lp, F, G, H in dp._successors(bm, L, math.inf):
+            seen.append(Lp)
+            assert (F, G, H) == pytest.approx(bm.transition(L, Lp))
+        assert sorted(seen) == sorted(supersets_of(ix, L)), "with no budget every superset is visited"
