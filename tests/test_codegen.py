@@ -399,3 +399,61 @@ def test_checkpointed_model_fake_measure_equals_real_measure():
     real = measure_step(opt, (x,), fake=False)
     assert fake.peak_bytes == real.peak_bytes
     assert int(opt.bn1.num_batches_tracked) == 0  # measuring leaves the model untouched
+
+
+# ---------------------------------------------------------------------------------------------
+# effects classification
+
+
+def test_inplace_and_random_ops_are_recognised():
+    from fxplan import effects
+
+    class Spellings(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.act = nn.ReLU(inplace=True)
+            self.act_out = nn.ReLU()
+            self.drop = nn.Dropout(0.1)
+
+        def forward(self, x):
+            a = x * 1.0
+            a.add_(1.0)
+            b = torch.relu_(a * 1.0)
+            c = torch.nn.functional.relu(b * 1.0, True)
+            d = torch.nn.functional.relu(c * 1.0, inplace=True)
+            e = self.act(d * 1.0)
+            f = self.act_out(e)
+            g = self.drop(torch.rand_like(f) + f)
+            return g.view(-1)
+
+    gm = fx.symbolic_trace(Spellings())
+    inplace = {n.name for n in gm.graph.nodes if effects.mutated_arg(n, gm) is not None}
+    assert inplace == {"add_", "relu_", "relu", "relu_1", "act"}
+    random_ops = {n.name for n in gm.graph.nodes if effects.is_random(n, gm)}
+    assert random_ops == {"rand_like", "drop"}
+    roots = effects.alias_roots(gm.graph, gm)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    assert roots[by_name["view"]] is by_name["add"]  # a view of dropout, which may return its input
+    assert roots[by_name["add_"]] is by_name["mul"]
+
+
+def test_operator_iadd_on_a_segment_input_gets_a_copy():
+    """symbolic_trace turns ``a += b`` on proxies into ``operator.add``; other front ends (or
+    hand-written graphs) keep ``operator.iadd``, which overwrites a real tensor."""
+    import operator
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(operator.mul, (x, 2.0))
+    b = graph.call_function(operator.iadd, (a, 1.0))
+    c = graph.call_function(torch.sin, (b,))
+    graph.output(graph.call_function(operator.add, (c, a)))  # reads a after the iadd
+    gm = fx.GraphModule(nn.Module(), graph)
+    opt = segment_module(gm, [["mul"], ["iadd", "sin"], ["add"]])
+    assert "mul_copy = fxplan_codegen_copy_for_inplace(mul)" in opt.segment_1.code
+    x1 = torch.randn(4, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    out1, out2 = gm(x1), opt(x2)
+    assert torch.equal(out1, out2)
+    out1.sum().backward(), out2.sum().backward()
+    assert torch.equal(x1.grad, x2.grad)

@@ -115,7 +115,7 @@ def test_resnet50_eight_segments_where_checkpoint_sequential_fails():
     same kind of place trains exactly like the original."""
     torch.manual_seed(0)
     model = torchvision.models.resnet50()
-    x = torch.randn(2, 3, 32, 32)
+    x = torch.randn(2, 3, 64, 64)
     seq = torch.nn.Sequential(
         model.conv1, model.bn1, model.relu, model.maxpool,
         *model.layer1, *model.layer2, *model.layer3, *model.layer4,
