@@ -422,8 +422,10 @@ def compare_network(
     _derive(rows, flops)
     timelines: dict[str, list[tuple[str, int]]] = {}
     if timeline:
-        chosen = [r.method for r in rows if r.family == "fxplan" and r.main and r.status == "ok"
-                  and r.method in fake_modules]
+        preference = ["approx-time", "exact-time", "approx-memory", "exact-memory", "chen"]
+        chosen = sorted((r.method for r in rows if r.family == "fxplan" and r.main and r.status == "ok"
+                         and r.method in fake_modules),
+                        key=lambda m: preference.index(m) if m in preference else len(preference))
         for name in ["vanilla", *chosen[:1]]:
             if name in fake_modules:
                 with progress.step(f"{network}: memory timeline of {name}"):
