@@ -231,9 +231,12 @@ def ordering_edges(gm: fx.GraphModule) -> list[tuple[str, str]]:
     * an in-place op ``n`` and every later reader of a value it overwrote: ``(n, r)``, so readers
       that expect the overwritten value stay after it.
 
-    A planner that adds these edges to its cost graph only produces plans that
-    :func:`fxplan.codegen.segment_module` accepts. (Readers *before* an in-place op need no edge:
-    the rewriter copies the value first when a plan moves such a reader past the op.)
+    A planner that adds these edges to its cost graph (as order-only edges: they carry no value, so
+    memory formulas should ignore them) never produces a plan that
+    :func:`fxplan.codegen.segment_module` rejects for its *order*. (Readers *before* an in-place op
+    need no edge: the rewriter copies the value first when a plan moves such a reader past the op.
+    The one rejection left is an in-place op that must be copied while a view of its operand, taken
+    before it, is read after it.)
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
