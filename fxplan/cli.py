@@ -1,4 +1,4 @@
-"""The ``fxplan`` command line: ``fxplan zoo``, ``fxplan profile MODEL``, ``fxplan plan MODEL``.
+"""The ``fxplan`` command line: ``fxplan zoo``, ``profile MODEL``, ``plan MODEL``, ``compare MODEL...``.
 
 Everything runs on fake tensors unless ``--real`` is given, so paper-scale batches are profiled on a
 laptop in seconds. Progress goes to stderr, results to stdout.
@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     pl.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     pl.set_defaults(func=cmd_plan)
+
+    from fxplan.compare import add_compare_parser
+
+    add_compare_parser(sub)
     return parser
 
 
