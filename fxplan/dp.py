@@ -43,7 +43,7 @@ from fxplan.lowersets import GraphIndex, enumerate_lower_sets, iter_bits, pruned
 from fxplan.memory_model import BoundModel, evaluate_chain, get_model
 from fxplan.plan import Plan, _fmt_bytes
 
-FAMILY_LIMIT = 2500
+FAMILY_LIMIT = 1500
 """Exact DP uses the vectorised family engine up to this many lower sets (pair matrices are #L² floats)."""
 
 _EPS = 1e-6
