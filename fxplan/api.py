@@ -188,10 +188,10 @@ def fit_budget(
 ) -> SegmentedModule:
     """Plan, rewrite and measure until the measured peak of one step is within ``budget_bytes``.
 
-    The solver's memory model is a prediction. When the plan for the budget measures above it, the
-    budget given to the solver is bisected between the solver's smallest feasible budget and the
-    user's budget, measuring each candidate, and the plan with the largest solver budget (least
-    recomputation) whose measured peak fits is returned.
+    The solver's memory model is a prediction. The budget given to the solver is bisected, measuring
+    each candidate plan, and the plan with the largest solver budget (least recomputation) whose
+    measured peak fits is returned: above the user's budget when the model over-predicts, between the
+    solver's smallest feasible budget and the user's when it under-predicts.
     """
     cg = trace(model, example_inputs)
     measured: dict[tuple[int | None, str], tuple[SegmentedModule, int] | None] = {}
@@ -212,23 +212,46 @@ def fit_budget(
 
     if budget_bytes is None:
         return attempt(None)[0]
-    first = attempt(budget_bytes)
-    if first is not None and first[1] <= budget_bytes:
-        return first[0]
-    good_target = (min_budget_bytes_graph(cg, model, solver=solver) if solver != "chen"
-                   else resident_bytes(cg, model) + 1)
-    good = attempt(good_target) if strategy == "time" else None
-    if good is None or good[1] > budget_bytes:
-        raise _infeasible(budget_bytes, attempt, measured)
-    bad_target = budget_bytes
+
+    def fits(result) -> bool:
+        return result is not None and result[1] <= budget_bytes
+
+    if strategy == "memory":
+        result = attempt(budget_bytes)
+        if not fits(result):
+            raise _infeasible(budget_bytes, attempt, measured)
+        return result[0]
+    # Bracket the largest solver budget whose plan fits when measured: [good_target, bad_target).
+    good_target, good = budget_bytes, attempt(budget_bytes)
+    if fits(good):
+        # The model is usually pessimistic: a larger solver budget may still fit, with less recomputation.
+        bad_target = _no_recompute_prediction(cg, model, solver)
+        if bad_target <= good_target:
+            return good[0]
+        top = attempt(bad_target)
+        if fits(top):
+            return top[0]
+    else:
+        bad_target = budget_bytes
+        good_target = (min_budget_bytes_graph(cg, model, solver=solver) if solver != "chen"
+                       else resident_bytes(cg, model) + 1)
+        good = attempt(good_target)
+        if not fits(good):
+            raise _infeasible(budget_bytes, attempt, measured)
     for _ in range(BISECTION_ROUNDS):
         mid = (good_target + bad_target) // 2
         candidate = attempt(mid)
-        if candidate is not None and candidate[1] <= budget_bytes:
+        if fits(candidate):
             good, good_target = candidate, mid
         else:
             bad_target = mid
     return good[0]
+
+
+def _no_recompute_prediction(cg: CostGraph, model: torch.nn.Module, solver: str) -> int:
+    """The solver's predicted peak (whole step) of the plan without recomputation: one segment."""
+    single = solve_graph(cg, None, strategy="time", solver="approx" if solver == "chen" else solver)
+    return single.predicted_peak_bytes + resident_bytes(cg, model)
 
 
 def _infeasible(budget_bytes: int, attempt, measured) -> BudgetError:
