@@ -53,7 +53,10 @@ def weighted_sum(mask: int, weights: list[int] | list[float]) -> int | float:
 class GraphIndex:
     """A cost graph numbered by topological order, with the per-node bitmasks the planner needs.
 
-    ``pred[i]`` / ``succ[i]``: bitmasks of the predecessors / successors of node ``i``;
+    ``pred[i]`` / ``succ[i]``: bitmasks of the predecessors / successors of node ``i`` over all edges, which
+    define the lower sets; ``dpred`` / ``dsucc``: the same over *data* edges only (edges without
+    ``order_only=True``; the tracer adds order-only edges to keep random ops and in-place readers in
+    program order). Boundaries and every memory term use data edges: an order-only edge carries no value;
     ``anc[i]``: the ancestor closure ``L_v`` of node ``i`` (``i`` included), section 4.3.
     ``M`` / ``T``: output bytes and forward cost per node, as Python lists (fast scalar access) and as numpy
     arrays (``M_np``, ``T_np``).
@@ -65,6 +68,8 @@ class GraphIndex:
     pred: list[int]
     succ: list[int]
     anc: list[int]
+    dpred: list[int]
+    dsucc: list[int]
     M: list[int]
     T: list[float]
     M_np: np.ndarray = field(repr=False)
@@ -89,9 +94,14 @@ class GraphIndex:
         n = len(names)
         pred = [0] * n
         succ = [0] * n
-        for v, w in cg.edges:
+        dpred = [0] * n
+        dsucc = [0] * n
+        for v, w, order_only in cg.edges(data="order_only", default=False):
             pred[pos[w]] |= 1 << pos[v]
             succ[pos[v]] |= 1 << pos[w]
+            if not order_only:
+                dpred[pos[w]] |= 1 << pos[v]
+                dsucc[pos[v]] |= 1 << pos[w]
         anc = [0] * n
         for i in range(n):  # topological order: ancestors of the predecessors are final already
             a = 1 << i
@@ -100,7 +110,8 @@ class GraphIndex:
             anc[i] = a
         M = [int(cg.nodes[v]["M"]) for v in names]
         T = [float(cg.nodes[v]["T"]) for v in names]
-        return cls(cg, names, pos, pred, succ, anc, M, T, np.array(M, dtype=np.float64), np.array(T))
+        return cls(cg, names, pos, pred, succ, anc, dpred, dsucc, M, T, np.array(M, dtype=np.float64),
+                   np.array(T))
 
     # -- conversions -------------------------------------------------------------------------------------
     def mask(self, nodes: Iterable[str]) -> int:
@@ -130,25 +141,25 @@ class GraphIndex:
         return True
 
     def boundary(self, mask: int) -> int:
-        """∂(L) = δ⁻(V \\ L) ∩ L: members of L with a successor outside L."""
+        """∂(L) = δ⁻(V \\ L) ∩ L: members of L whose value a node outside L reads (data edges)."""
         out = 0
         for i in iter_bits(mask):
-            if self.succ[i] & ~mask:
+            if self.dsucc[i] & ~mask:
                 out |= 1 << i
         return out
 
     def delta_plus(self, mask: int) -> int:
-        """δ⁺(S): nodes with an edge from S."""
+        """δ⁺(S): nodes reading a value of S (data edges)."""
         out = 0
         for i in iter_bits(mask):
-            out |= self.succ[i]
+            out |= self.dsucc[i]
         return out
 
     def delta_minus(self, mask: int) -> int:
-        """δ⁻(S): nodes with an edge into S."""
+        """δ⁻(S): nodes whose values S reads (data edges)."""
         out = 0
         for i in iter_bits(mask):
-            out |= self.pred[i]
+            out |= self.dpred[i]
         return out
 
     def msum(self, mask: int) -> int:

@@ -105,7 +105,7 @@ class BoundModel:
 def _adjacency(ix: GraphIndex) -> np.ndarray:
     E = np.zeros((ix.n, ix.n))
     for u in range(ix.n):
-        for w in iter_bits(ix.succ[u]):
+        for w in iter_bits(ix.dsucc[u]):
             E[u, w] = 1.0
     return E
 
@@ -188,11 +188,11 @@ class _BoundAutograd(BoundModel):
             if attrs.get("saves_output", False):
                 self.so |= 1 << i
             if "saved_inputs" in attrs:
-                self.si[i] = ix.mask(u for u in attrs["saved_inputs"] if u in ix.pos) & ix.pred[i]
+                self.si[i] = ix.mask(u for u in attrs["saved_inputs"] if u in ix.pos) & ix.dpred[i]
             else:
-                self.si[i] = ix.pred[i]
+                self.si[i] = ix.dpred[i]
             self.sx[i] = int(attrs.get("saved", 0) or 0)
-        self.tau = [ix.M[i] + ix.msum(ix.pred[i]) for i in range(n)]
+        self.tau = [ix.M[i] + ix.msum(ix.dpred[i]) for i in range(n)]
 
     def _saved_members(self, Vp: int) -> int:
         r = self.so & Vp
@@ -229,21 +229,21 @@ class _BoundAutograd(BoundModel):
             MR += M[low.bit_length() - 1]
             R |= low
             new ^= low
-        new = ix.pred[i] & L & ~I
+        new = ix.dpred[i] & L & ~I
         while new:
             low = new & -new
             MI += M[low.bit_length() - 1]
             I |= low
             new ^= low
-        done = ix.pred[i] & B
+        done = ix.dpred[i] & B
         while done:
             low = done & -done
             u = low.bit_length() - 1
-            if not ix.succ[u] & ~nxt:  # u's last consumer just joined: no longer leaves the segment
+            if not ix.dsucc[u] & ~nxt:  # u's last consumer just joined: no longer leaves the segment
                 B ^= low
                 MB -= M[u]
             done ^= low
-        if ix.succ[i]:
+        if ix.dsucc[i]:
             B |= 1 << i
             MB += M[i]
         t = self.tau[i]

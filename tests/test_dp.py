@@ -29,7 +29,11 @@ def small_dags(draw, max_nodes: int = 6):
         edges += [(nodes[i], nodes[j]) for i in preds]
     T = {v: draw(st.integers(1, 9)) for v in nodes}
     M = {v: draw(st.integers(1, 40)) for v in nodes}
-    return CostGraph.from_edges(nodes, edges, T, M)
+    cg = CostGraph.from_edges(nodes, edges, T, M)
+    for e in edges:  # some edges only order the program (as the tracer's order_only edges) and carry no value
+        if draw(st.integers(0, 5)) == 0:
+            cg.edges[e]["order_only"] = True
+    return cg
 
 
 def exhaustive(cg: CostGraph, model: str, objective: str, budget: float | None):

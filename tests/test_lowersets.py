@@ -105,3 +105,13 @@ def test_limit_refuses_huge_lattices():
 
     with pytest.raises(FxplanError, match="approximate DP"):
         enumerate_lower_sets(parallel_chains(4, 6), limit=100)
+
+
+def test_order_only_edges_shape_lower_sets_but_carry_no_value():
+    cg = CostGraph.from_edges("abc", [("a", "b"), ("b", "c"), ("a", "c")], dict.fromkeys("abc", 1),
+                              dict.fromkeys("abc", 1))
+    cg.edges["a", "c"]["order_only"] = True
+    ix = GraphIndex.build(cg)
+    assert {frozenset(ix.names_of(s)) for s in enumerate_lower_sets(ix)} == brute_lower_sets(cg)
+    assert ix.names_of(ix.boundary(ix.mask("a"))) == ["a"]
+    assert ix.names_of(ix.boundary(ix.mask("ab"))) == ["b"], "c reads b only; the a → c edge is order"
