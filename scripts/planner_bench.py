@@ -1,7 +1,7 @@
 """Planner benchmark: lower sets, DP solve times and plans on the zoo networks at the paper's batch.
 
 Usage: python scripts/planner_bench.py [--nets resnet50,vgg19,...] [--model autograd|paper]
-                                       [--exact-limit SECONDS] [--fraction 0.5]
+                                       [--exact-limit SECONDS] [--fraction 0.5] [--no-exact-tc]
 
 Each network is traced under FakeTensorMode (nothing allocated). "vanilla" is the memory model's peak of
 the plan with one segment (no recomputation); the time-centric plans (approximate and exact DP) and Chen's
@@ -46,7 +46,7 @@ def fmt_plan(res) -> str:
             f"rec {100 * out.recompute_fraction:.0f}% ({secs:.2f}s)")
 
 
-def bench(name: str, model: str, exact_limit: float, fraction: float) -> dict:
+def bench(name: str, model: str, exact_limit: float, fraction: float, exact_tc: bool = True) -> dict:
     entry = models_zoo.get(name)
     net = entry.build()
     with FakeTensorMode():
@@ -64,7 +64,7 @@ def bench(name: str, model: str, exact_limit: float, fraction: float) -> dict:
     row["exact_mc"] = timed(lambda: dp.solve(cg, None, strategy="memory", exact=True, memory_model=model,
                                              time_limit=exact_limit))
     row["exact_tc"] = timed(lambda: dp.solve(cg, budget, exact=True, memory_model=model,
-                                             time_limit=exact_limit))
+                                             time_limit=exact_limit)) if exact_tc else ("skipped", 0.0, None)
     row["chen"] = timed(lambda: chen.solve(cg, budget, variant="greedy", memory_model=model))
     row["chen_free"] = timed(lambda: chen.solve(cg, None, variant="greedy", memory_model=model))
     return row
@@ -76,6 +76,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--model", default="autograd")
     p.add_argument("--exact-limit", type=float, default=60.0)
     p.add_argument("--fraction", type=float, default=0.5)
+    p.add_argument("--no-exact-tc", action="store_true", help="skip the exact time-centric solve")
     args = p.parse_args(argv)
     cols = ["network", "batch", "#V", "#L", "enum s", "vanilla GiB", "ApproxDP+MC", "ExactDP+MC",
             f"ApproxDP+TC @{args.fraction:.0%}", f"ExactDP+TC @{args.fraction:.0%}",
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> None:
     print("|" + "---|" * len(cols))
     for name in args.nets.split(","):
         print(f"benchmarking {name} ...", file=sys.stderr, flush=True)
-        r = bench(name, args.model, args.exact_limit, args.fraction)
+        r = bench(name, args.model, args.exact_limit, args.fraction, not args.no_exact_tc)
         cells = [r["net"], str(r["batch"]), str(r["V"]), str(r["L"]), f"{r['enum']:.2f}",
                  f"{r['vanilla']:.2f}"] + [fmt_plan(r[k]) for k in
                                            ("approx_mc", "exact_mc", "approx_tc", "exact_tc", "chen",
