@@ -509,7 +509,7 @@ def compare_zoo(
             batch = batch_size or entry.paper_batch
             size = input_size or entry.input_size
             sb = small_batch or max(entry.min_batch, min(batch, 4))
-            ss = small_input_size or size
+            ss = small_input_size or entry.quick_input_size or size
             where = "comparing"
             rows, timelines = compare_network(
                 name, model, entry.loss, lambda b, s, e=entry: e.example_inputs(batch_size=b, input_size=s),

@@ -44,27 +44,33 @@ _CE = weighted_cross_entropy(0.0)
 _ENTRIES: dict[str, ZooEntry] = {
     e.name: e
     for e in (
-        ZooEntry("resnet50", 96, 224, 176, "torchvision ResNet-50", partial(_tv, "resnet50"), _CE),
-        ZooEntry("resnet152", 48, 224, 516, "torchvision ResNet-152", partial(_tv, "resnet152"), _CE),
-        ZooEntry("vgg19", 64, 224, 46, "torchvision VGG-19 (no BatchNorm)", partial(_tv, "vgg19"), _CE),
-        ZooEntry("densenet161", 32, 224, 568, "torchvision DenseNet-161", partial(_tv, "densenet161"), _CE),
+        ZooEntry("resnet50", 96, 224, 176, "torchvision ResNet-50", partial(_tv, "resnet50"), _CE,
+                 quick_input_size=112),
+        ZooEntry("resnet152", 48, 224, 516, "torchvision ResNet-152", partial(_tv, "resnet152"), _CE,
+                 quick_input_size=112),
+        ZooEntry("vgg19", 64, 224, 46, "torchvision VGG-19 (no BatchNorm)", partial(_tv, "vgg19"), _CE,
+                 quick_input_size=112),
+        ZooEntry("densenet161", 32, 224, 568, "torchvision DenseNet-161", partial(_tv, "densenet161"), _CE,
+                 quick_input_size=112),
         ZooEntry(
             "googlenet", 256, 224, 134, "torchvision GoogLeNet with both auxiliary classifiers (train mode)",
             partial(_tv, "googlenet", aux_logits=True, init_weights=True), weighted_cross_entropy(0.3),
+            quick_input_size=112,
         ),
         ZooEntry(
             "unet", 8, 572, 60, "original U-Net: valid convolutions, 1 input channel, 2 classes",
             UNet, weighted_cross_entropy(0.0), kind="segmentation", in_channels=1,
-            check_size=unet_output_size,
+            check_size=unet_output_size, quick_input_size=188,
         ),
         ZooEntry(
             "pspnet", 2, 713, 385,
             "PSPNet, dilated ResNet-101 (deep stem), PPM bins 1-2-3-6, aux head, 21 classes",
-            PSPNet, weighted_cross_entropy(0.4), kind="segmentation", min_batch=2,
+            PSPNet, weighted_cross_entropy(0.4), kind="segmentation", min_batch=2, quick_input_size=113,
         ),
         ZooEntry(
             "lstm_lm", 20, 512, None, "2-layer LSTM language model, vocab 10k, emb/hidden 650, dropout 0.5",
             LSTMLanguageModel, lm_loss, kind="language", in_channels=0, make_inputs=_token_inputs,
+            quick_input_size=64,
         ),
     )
 }

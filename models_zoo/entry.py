@@ -85,6 +85,8 @@ class ZooEntry:
     ``input_size`` is the height (= width) of the square image input, or the sequence length for a
     language model. ``paper_nodes`` is #V from Table 1 (``None`` where the paper has no such network).
     ``min_batch`` is the smallest batch the model trains with (BatchNorm on 1x1 maps needs 2).
+    ``quick_input_size`` is a small input size the network accepts, for quick real steps (timing on a
+    CPU); ``None`` means the paper's size.
     """
 
     name: str
@@ -101,6 +103,7 @@ class ZooEntry:
         default=_image_inputs, repr=False
     )
     check_size: Callable[[int], Any] | None = field(default=None, repr=False)
+    quick_input_size: int | None = None
 
     def build(self) -> nn.Module:
         """A fresh, randomly initialised model on the CPU in train mode (no weights are downloaded)."""

@@ -44,7 +44,8 @@ def main() -> None:
         entry = models_zoo.get(name)
         torch.manual_seed(0)
         model = entry.build().to(device)
-        inputs = tuple(t.to(device) for t in entry.example_inputs(args.batch_size, args.input_size))
+        size = args.input_size or entry.quick_input_size
+        inputs = tuple(t.to(device) for t in entry.example_inputs(args.batch_size, size))
         vanilla_peak = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
         print(f"{name}: planning ...", file=sys.stderr, flush=True)
         models = {

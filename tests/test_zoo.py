@@ -256,3 +256,12 @@ def test_lstm_core_shares_parameters_and_matches_model(built):
     finally:
         model.zero_grad(set_to_none=True)
         model.train()
+
+
+@pytest.mark.parametrize("name", models_zoo.names())
+def test_quick_input_size_is_accepted(name):
+    entry = models_zoo.get(name)
+    size = entry.quick_input_size or entry.input_size
+    assert size <= entry.input_size
+    (x,) = entry.example_inputs(batch_size=entry.min_batch, input_size=size)
+    assert size in x.shape
