@@ -10,7 +10,7 @@ from fxplan.api import min_budget_bytes, plan, rewrite
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError, TraceError
 from fxplan.measure import StepStats, measure_step, track_memory
-from fxplan.plan import Plan
+from fxplan.plans import Plan
 
 __all__ = [
     "BudgetError", "CostGraph", "bptt", "FxplanError", "Plan", "StepStats", "TraceError", "measure_step",

@@ -21,7 +21,7 @@ from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure import measure_step
-from fxplan.plan import Plan
+from fxplan.plans import Plan
 from fxplan.trace import trace, trace_module
 
 logger = logging.getLogger("fxplan")

@@ -1,6 +1,6 @@
 """Chen et al.'s plans (2016, "Training deep nets with sublinear memory cost"), as baselines.
 
-All three return the same :class:`~fxplan.plan.Plan` as the DP, evaluated under the same memory model, so
+All three return the same :class:`~fxplan.plans.Plan` as the DP, evaluated under the same memory model, so
 they can be compared one to one.
 
 Candidate split points (Chen's ``C`` in Algorithm 3). Kusumoto et al. (appendix B) take the articulation
@@ -30,7 +30,7 @@ from fxplan.dp import plan_from_chain
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.lowersets import GraphIndex
 from fxplan.memory_model import BoundModel, evaluate_chain, get_model
-from fxplan.plan import Plan, _fmt_bytes
+from fxplan.plans import Plan, _fmt_bytes
 
 GRID_SIZE = 6
 

@@ -41,7 +41,7 @@ from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.lowersets import GraphIndex, enumerate_lower_sets, iter_bits, pruned_lower_sets
 from fxplan.memory_model import BoundModel, evaluate_chain, get_model
-from fxplan.plan import Plan, _fmt_bytes
+from fxplan.plans import Plan, _fmt_bytes
 
 FAMILY_LIMIT = 1500
 """Exact DP uses the vectorised family engine up to this many lower sets (pair matrices are #L² floats)."""

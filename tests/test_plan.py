@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fxplan import chen, dp
 from fxplan.costgraph import CostGraph
-from fxplan.plan import Plan
+from fxplan.plans import Plan
 
 
 def diamond_graph() -> CostGraph:
