@@ -6,11 +6,12 @@ Public modules besides what is re-exported here: ``fxplan.trace`` (model -> Cost
 """
 
 from fxplan import bptt
-from fxplan.api import min_budget_bytes, plan, rewrite
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError, TraceError
 from fxplan.measure import StepStats, measure_step, track_memory
+from fxplan.planning import min_budget_bytes, plan
 from fxplan.plans import Plan
+from fxplan.rewriting import rewrite
 
 __all__ = [
     "BudgetError", "CostGraph", "bptt", "FxplanError", "Plan", "StepStats", "TraceError", "measure_step",

@@ -119,7 +119,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from fxplan.api import plan_graph
+    from fxplan.planning import plan_graph
 
     progress = Progress(args.quiet)
     entry, model, inputs = load_model(args.model, args.batch_size, args.input_size, real=False,

@@ -376,7 +376,7 @@ def segment_module(
                 if u.op == "get_attr" and u not in senv:
                     senv[u] = sg.node_copy(u)
                     attr_targets.append(str(u.target))
-            senv[v] = sg.node_copy(v, lambda x: senv[x])
+            senv[v] = sg.node_copy(v, senv.__getitem__)
             if v.op == "call_module" and str(v.target) not in targets:
                 targets.append(str(v.target))
         if len(outputs) == 1:

@@ -225,7 +225,7 @@ def _fxplan(strategy: str, solver: str, point: float | None = None) -> Callable[
 
 def _min_budget(ctx: Context) -> int:
     if "min_budget" not in ctx.cache:
-        from fxplan.api import min_budget_bytes
+        from fxplan.planning import min_budget_bytes
 
         ctx.cache["min_budget"] = min_budget_bytes(ctx.model, ctx.paper_inputs, solver="approx")
     return ctx.cache["min_budget"]

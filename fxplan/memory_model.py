@@ -220,7 +220,7 @@ class _BoundAutograd(BoundModel):
 
     def inc_add(self, st: tuple, L: int, nxt: int, i: int) -> tuple:
         ix = self.ix
-        R, MR, S, I, MI, B, MB, mx, TV = st
+        R, MR, S, I, MI, B, MB, mx, TV = st  # noqa: E741 (I: the inputs set of the paper's notation)
         M = ix.M
         Vp = nxt & ~L
         new = ((self.si[i] & Vp) | (self.so & (1 << i))) & ~R
@@ -233,7 +233,7 @@ class _BoundAutograd(BoundModel):
         while new:
             low = new & -new
             MI += M[low.bit_length() - 1]
-            I |= low
+            I |= low  # noqa: E741
             new ^= low
         done = ix.dpred[i] & B
         while done:

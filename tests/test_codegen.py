@@ -11,12 +11,6 @@ import pytest
 import torch
 import torch.fx as fx
 import torchvision
-from torch import nn
-
-import fxplan.recompute
-from fxplan.codegen import SegmentedModule, segment_module
-from fxplan.effects import ordering_edges
-from fxplan.errors import FxplanError
 from models_awkward import (
     BNNet,
     InplaceZoo,
@@ -25,6 +19,12 @@ from models_awkward import (
     compute_names,
     step,
 )
+from torch import nn
+
+import fxplan.recompute
+from fxplan.codegen import SegmentedModule, segment_module
+from fxplan.effects import ordering_edges
+from fxplan.errors import FxplanError
 
 
 @pytest.fixture(autouse=True, scope="module")

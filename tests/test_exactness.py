@@ -16,9 +16,6 @@ import pytest
 import torch
 import torch.fx as fx
 import torchvision
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
-
-from fxplan.codegen import segment_module
 from models_awkward import (
     AWKWARD,
     BNNet,
@@ -30,6 +27,9 @@ from models_awkward import (
     random_plan,
     step,
 )
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+from fxplan.codegen import segment_module
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -55,7 +55,7 @@ def test_awkward_contiguous_plans_bitwise(name, k):
     torch.manual_seed(0)
     model = ctor()
     inputs = make_inputs()
-    opt = rewrite_copy(model, lambda gm: chunks(compute_names(gm), k))
+    opt = rewrite_copy(model, lambda gm, k=k: chunks(compute_names(gm), k))
     assert_same_training(copy.deepcopy(model), opt, inputs)
 
 
@@ -72,7 +72,7 @@ def test_awkward_every_two_segment_cut_bitwise(name):
     grads_ref = [p.grad for p in ref.parameters()]
     stride = max(1, len(names) // 12)  # at most ~12 cuts per model, to stay fast
     for cut in range(1, len(names), stride):
-        opt = rewrite_copy(model, lambda gm: [names[:cut], names[cut:]])
+        opt = rewrite_copy(model, lambda gm, cut=cut: [names[:cut], names[cut:]])
         out = step(opt, inputs)
         for a, b in zip(torch.utils._pytree.tree_leaves(out_ref), torch.utils._pytree.tree_leaves(out)):
             assert torch.equal(a, b), f"cut {cut}"
@@ -88,9 +88,9 @@ def test_awkward_random_lower_set_sequences_bitwise(name):
     model = ctor()
     inputs = make_inputs()
     rng = random.Random(name)
-    for trial in range(3):
+    for _trial in range(3):
         k = rng.randint(2, 6)
-        opt = rewrite_copy(model, lambda gm: random_plan(gm, rng, k))
+        opt = rewrite_copy(model, lambda gm, k=k: random_plan(gm, rng, k))
         assert_same_training(copy.deepcopy(model), opt, inputs, steps=1)
 
 
@@ -146,7 +146,7 @@ def test_densenet_block_plans_bitwise():
     model = DenseNetBlock()
     x = torch.randn(2, 3, 12, 12)
     for k in (4, 9):
-        opt = rewrite_copy(model, lambda gm: chunks(compute_names(gm), k))
+        opt = rewrite_copy(model, lambda gm, k=k: chunks(compute_names(gm), k))
         assert_same_training(copy.deepcopy(model), opt, (x,))
 
 

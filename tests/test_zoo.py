@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -76,8 +77,8 @@ def test_paper_settings(name):
     e = models_zoo.get(name)
     assert (e.paper_batch, e.input_size, e.paper_nodes) == PAPER[name]
     assert e.name == name and e.description
-    with pytest.raises(Exception):
-        e.name = "other"  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.name = "other"
 
 
 def test_lstm_settings():
