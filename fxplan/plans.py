@@ -31,8 +31,9 @@ class Plan:
     ``lower_sets``          L_1, …, L_k = V as node-name lists (cumulative unions of ``segments``)
     ``boundaries``          per segment, its members still needed by later segments: ∂(L_i) ∩ V_i, the
                             values the forward pass caches
-    ``predicted_peak_bytes`` the memory model's peak for the whole step (activations and gradients,
-                            parameters excluded)
+    ``predicted_peak_bytes`` the memory model's peak: from the graph solvers, activations and their
+                            gradients only; from ``fxplan.plan`` / ``fxplan.rewrite``, the whole step
+                            (parameters, their gradients, buffers and inputs added)
     ``segment_peak_bytes``  the model's peak while each segment's backward runs
     ``overhead``            the objective the solver minimised: Σ H over segments under ``memory_model``
                             (``"paper"``: equation (1), T(V \\ U_k); ``"autograd"``: T of every segment but
@@ -41,13 +42,15 @@ class Plan:
                             T(V_1 ∪ … ∪ V_{k-1}) / T(V). Checkpointing re-runs whole segments and never the
                             last one, so this differs from equation (1)'s T(V \\ U_k)/T(V), which is kept in
                             ``paper_overhead_fraction`` for comparison with the paper
-    ``budget_bytes``        the budget the solver was given (None: none)
+    ``budget_bytes``        the budget the solver was given (None: none); for a plan returned by
+                            ``fxplan.rewrite``, the whole-step budget the user asked for
     ``strategy``            "time", "memory", or Chen's "sqrt", "greedy", "recursive"
     ``solver``              "exact-dp", "approx-dp", "chen"
     ``memory_model``        name of the memory model used for the prediction
     ``solve_seconds``       wall time of the solver
     ``children``            for Chen's recursive plan: segment index (as str) → Plan of that segment's
                             subgraph, which is itself checkpointed inside; empty otherwise
+    ``measured_peak_bytes`` the peak of one step of the rewritten model, measured (set by ``fxplan.rewrite``)
     """
 
     segments: list[list[str]]
@@ -66,6 +69,7 @@ class Plan:
     total_T: float = 0.0
     segment_T: list[float] = field(default_factory=list)
     children: dict[str, Plan] = field(default_factory=dict)
+    measured_peak_bytes: int | None = None
 
     @property
     def num_segments(self) -> int:
@@ -77,7 +81,8 @@ class Plan:
             f"Plan: {self.solver} / {self.strategy}, memory model {self.memory_model!r}, "
             f"{self.num_segments} segments, solved in {self.solve_seconds:.3f} s",
             f"  budget {_fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else 'none'}, "
-            f"predicted peak {_fmt_bytes(self.predicted_peak_bytes)}",
+            f"predicted peak {_fmt_bytes(self.predicted_peak_bytes)}"
+            + (f", measured {_fmt_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),
             f"  recomputed forward: {100 * self.recompute_fraction:.1f}% of one forward pass "
             f"(equation (1): {100 * self.paper_overhead_fraction:.1f}%)",
         ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ def _check_model(model: Any) -> None:
 
 
 def _attach(module: SegmentedModule, chosen: Plan, measured: int | None) -> SegmentedModule:
-    module.fxplan_plan = chosen
+    module.fxplan_plan = replace(chosen, measured_peak_bytes=measured)
     module.fxplan_measured_peak_bytes = measured
     return module
 
@@ -98,7 +99,14 @@ def fit_budget(
     measured peak fits is returned: above the user's budget when the model over-predicts, between the
     solver's smallest feasible budget and the user's when it under-predicts.
     """
-    cg = trace(model, example_inputs)
+    module = _fit(trace(model, example_inputs), model, example_inputs, budget_bytes, strategy=strategy,
+                  solver=solver, loss_fn=loss_fn)
+    module.fxplan_plan = replace(module.fxplan_plan, budget_bytes=budget_bytes)
+    return module
+
+
+def _fit(cg: CostGraph, model, example_inputs, budget_bytes: int | None, *, strategy: str, solver: str,
+         loss_fn) -> SegmentedModule:
     measured: dict[tuple[int | None, str], tuple[SegmentedModule, int] | None] = {}
 
     def attempt(target: int | None, how: str = strategy) -> tuple[SegmentedModule, int] | None:
