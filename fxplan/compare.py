@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan import peers
 from fxplan.errors import FxplanError
-from fxplan.measure import GiB, measure_step
+from fxplan.measure import GiB, fake_copy, measure_step, profiled_step_peak, resident_bytes
 
 #: fxplan's methods: row name -> (strategy, solver). ``chen`` is Chen et al.'s plan (strategy ignored).
 FXPLAN_METHODS = {
@@ -258,21 +258,12 @@ def _real_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Module
     return copy.deepcopy(module).to(device)
 
 
-def _fake_copy(module: torch.nn.Module, mode: FakeTensorMode) -> torch.nn.Module:
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = torch.nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = mode.from_tensor(b)
-    return copy.deepcopy(module, memo)
-
-
 def count_flops(module: torch.nn.Module, fake_inputs: tuple, loss_fn) -> tuple[int, int]:
     """(forward FLOPs, whole-step FLOPs) of one step of ``module`` on fake inputs; nothing is allocated."""
     from torch.utils.flop_counter import FlopCounterMode
 
     mode = next(x.fake_mode for x in tree_leaves(fake_inputs) if isinstance(x, FakeTensor))
-    fake_module = _fake_copy(module, mode)
+    fake_module = fake_copy(module, mode)
     counter = FlopCounterMode(display=False)
     with mode, counter:
         loss = loss_fn(fake_module(*fake_inputs))
@@ -288,8 +279,8 @@ def real_step_peak(module: torch.nn.Module, inputs: tuple, loss_fn, device: torc
     the step counted as resident. CUDA: the caching allocator's ``max_memory_allocated``.
     """
     module.zero_grad(set_to_none=True)
-    resident = _storage_bytes([*module.parameters(), *module.buffers(), *tree_leaves(inputs)])
     if device.type == "cuda":
+        resident = resident_bytes(module, inputs)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -298,28 +289,9 @@ def real_step_peak(module: torch.nn.Module, inputs: tuple, loss_fn, device: torc
         peak = torch.cuda.max_memory_allocated(device) - base + resident
         module.zero_grad(set_to_none=True)
         return peak, "cuda allocator"
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        loss = loss_fn(module(*inputs))
-        loss.backward()
-        del loss
-    current = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action in (Action.PREEXISTING, Action.CREATE):
-            current += size
-        elif action == Action.DESTROY:
-            current -= size
-        peak = max(peak, current)
+    peak = profiled_step_peak(module, inputs, loss_fn)
     module.zero_grad(set_to_none=True)
-    return max(peak, resident), "torch.profiler allocation events"
-
-
-def _storage_bytes(tensors: Sequence[Any]) -> int:
-    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor)}
-    return sum(seen.values())
+    return peak, "torch.profiler allocation events"
 
 
 def _step(module: torch.nn.Module, inputs: tuple, loss_fn, device: torch.device) -> float:

@@ -181,7 +181,7 @@ def measure_step(
         raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
     fake_mode = _fake_mode_of(model, inputs) if fake or _has_fake(model, inputs) else None
     if fake_mode is not None:
-        fake_model, fake_inputs = _fake_copy(model, fake_mode), _to_fake(inputs, fake_mode)
+        fake_model, fake_inputs = fake_copy(model, fake_mode), _to_fake(inputs, fake_mode)
         with fake_mode:
             return _measure_tracked(fake_model, fake_inputs, loss_fn, timeline, "fake tensors")
     device = _device_of(model, inputs)
@@ -228,7 +228,7 @@ def _measure_cuda(model, inputs, loss_fn, device: torch.device) -> StepStats:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    resident = _resident_bytes(model, inputs)
+    resident = resident_bytes(model, inputs)
     start = time.perf_counter()
     loss = loss_fn(model(*inputs))
     loss.backward()
@@ -240,7 +240,8 @@ def _measure_cuda(model, inputs, loss_fn, device: torch.device) -> StepStats:
     return StepStats(peak, breakdown, seconds, "cuda allocator")
 
 
-def _resident_bytes(model: torch.nn.Module, inputs) -> int:
+def resident_bytes(model: torch.nn.Module, inputs) -> int:
+    """Bytes of the distinct storages of the model's parameters and buffers and of the inputs."""
     seen: dict[int, int] = {}
     tensors = [*model.parameters(), *model.buffers(), *[t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]]
     for t in tensors:
@@ -262,8 +263,11 @@ def _fake_mode_of(model: torch.nn.Module, inputs) -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
-def _fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake tensors (nothing real is allocated)."""
+def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors (nothing real is allocated).
+
+    The copy has the same structure (and, for a GraphModule, the same graph and node names).
+    """
     memo: dict[int, Any] = {}
     for p in model.parameters():
         if not isinstance(p, FakeTensor):
@@ -298,6 +302,17 @@ def measure_step_profiler(
 ) -> StepStats:
     """Peak of one real step read from ``torch.profiler``'s allocation events: an independent meter.
 
+    Runs on a private copy of ``model``; see :func:`profiled_step_peak`.
+    """
+    model = copy.deepcopy(model)
+    start = time.perf_counter()
+    peak = profiled_step_peak(model, tuple(example_inputs), loss_fn or default_loss)
+    return StepStats(peak, {}, time.perf_counter() - start, "torch.profiler allocation events")
+
+
+def profiled_step_peak(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor]) -> int:
+    """Peak bytes of one real step of ``model`` (run in place) from the allocator events the profiler records.
+
     It sees allocations the dispatch-level tracker cannot (inside ``torch.compile``d code, kernel
     workspaces), so it is the meter for compiled peers and the cross-check for :func:`measure_step`.
     Tensors that exist before the step (parameters, buffers, inputs) count as resident from the start.
@@ -305,16 +320,11 @@ def measure_step_profiler(
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
-    loss_fn = loss_fn or default_loss
-    model = copy.deepcopy(model)
-    inputs = tuple(example_inputs)
-    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
         loss = loss_fn(model(*inputs))
         loss.backward()
         del loss
-    seconds = time.perf_counter() - start
     current = peak = 0
     for _, action, _, size in prof._memory_profile().timeline:
         if action in (Action.PREEXISTING, Action.CREATE):
@@ -323,5 +333,4 @@ def measure_step_profiler(
             current -= size
         peak = max(peak, current)
     # Tensors created before profiling started and never touched are invisible to the profiler.
-    peak = max(peak, _resident_bytes(model, inputs))
-    return StepStats(peak, {}, seconds, "torch.profiler allocation events")
+    return max(peak, resident_bytes(model, inputs))

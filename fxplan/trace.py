@@ -24,7 +24,6 @@ user's model (parameters, BatchNorm statistics) untouched.
 
 from __future__ import annotations
 
-import copy
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +37,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges
 from fxplan.errors import TraceError
+from fxplan.measure import fake_copy
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -108,7 +108,7 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, cost_model: 
         raise TraceError(f"{type(model).__name__}.forward takes {count} inputs ({names}), "
                          f"got {len(inputs)} example inputs")
     fake_mode = _fake_mode_for(inputs)
-    propagator = _CostPropagator(_fake_module(gm, fake_mode), fake_mode)
+    propagator = _CostPropagator(fake_copy(gm, fake_mode), fake_mode)
     with fake_mode, torch.enable_grad():
         propagator.run(*[_as_fake(x, fake_mode) for x in inputs])
     return _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
@@ -128,16 +128,6 @@ def _as_fake(x, fake_mode: FakeTensorMode):
         return t
 
     return tree_map(convert, x)
-
-
-def _fake_module(gm: torch.fx.GraphModule, fake_mode: FakeTensorMode) -> torch.fx.GraphModule:
-    """A copy of ``gm`` whose parameters and buffers are fake, with the same graph and node names."""
-    memo: dict[int, Any] = {}
-    for p in gm.parameters():
-        memo[id(p)] = torch.nn.Parameter(_as_fake(p.detach(), fake_mode), requires_grad=p.requires_grad)
-    for b in gm.buffers():
-        memo[id(b)] = _as_fake(b, fake_mode)
-    return copy.deepcopy(gm, memo)
 
 
 class _NodeRecord:
