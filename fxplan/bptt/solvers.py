@@ -125,6 +125,16 @@ def _alpha_beta(policy: str, alpha: int | None, beta: int | None) -> tuple[int |
     return int(alpha), int(beta)
 
 
+
+def _keep_better(q: np.ndarray, kind: int, best: np.ndarray, bd: np.ndarray, bh: np.ndarray) -> None:
+    """Row-wise: where min over y of ``q`` (columns are y = 2, 3, ...) beats ``best``, record it in place."""
+    j = np.argmin(q, axis=1)
+    v = q[np.arange(len(q)), j]
+    better = v < best
+    best[:] = np.where(better, v, best)
+    bd[:] = np.where(better, j + 2, bd)
+    bh[:] = np.where(better, kind, bh)
+
 def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None):
     """Fill C, D, H for the generic two-choice recurrence; see the module docstring.
 
@@ -170,23 +180,11 @@ def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta:
             if use_hidden:
                 # Q1 = y + C(y, m) + C(t - y, m - 1), y = 2 .. yl (< t)
                 q = CT[ca:cb, 2 : yl + 1] + CT[ca - 1 : cb - 1, t - 2 : t - yl - 1 : -1]
-                q = q + ys
-                j = np.argmin(q, axis=1)
-                v = q[np.arange(b - a), j]
-                better = v < best[a:b]
-                best[a:b] = np.where(better, v, best[a:b])
-                bd[a:b] = np.where(better, j + 2, bd[a:b])
-                bh[a:b] = np.where(better, HIDDEN, bh[a:b])
+                _keep_better(q + ys, HIDDEN, best[a:b], bd[a:b], bh[a:b])
             if alpha is not None:
                 # Q2 = y + C(y - 1, m) + C(t - y, m - alpha), y = 2 .. yl (< t)
                 q = CT[ca:cb, 1:yl] + CT[ca - alpha : cb - alpha, t - 2 : t - yl - 1 : -1]
-                q = q + ys
-                j = np.argmin(q, axis=1)
-                v = q[np.arange(b - a), j]
-                better = v < best[a:b]
-                best[a:b] = np.where(better, v, best[a:b])
-                bd[a:b] = np.where(better, j + 2, bd[a:b])
-                bh[a:b] = np.where(better, INTERNAL, bh[a:b])
+                _keep_better(q + ys, INTERNAL, best[a:b], bd[a:b], bh[a:b])
             a = b
         better = work < best
         best = np.where(better, work, best)
