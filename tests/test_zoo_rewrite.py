@@ -1,0 +1,82 @@
+"""Every zoo network, rewritten by fxplan.rewrite at two budgets, trains like the original and fits.
+
+Real CPU steps at a small batch and input size (``ZooEntry.quick_input_size``); budgets are whole-step
+peaks measured on fake tensors. Outputs, parameter gradients and buffers are compared bitwise when the
+plan keeps program order; a plan that defers a branch (the DP does on GoogLeNet) may change the order
+in which autograd sums three or more gradient contributions, so there they are compared to 1e-5 of
+each tensor's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+import fxplan
+import models_zoo
+from fxplan.measure import GiB, measure_step
+from fxplan.trace import COMPUTE_OPS
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def keeps_program_order(module) -> bool:
+    original = [n.name for n in module._fxplan_graph.nodes if n.op in COMPUTE_OPS]
+    planned = [name for segment in module.fxplan_plan.segments for name in segment]
+    return original == planned
+
+
+def train_step(model, inputs, loss_fn, seed: int):
+    torch.manual_seed(seed)
+    out = model(*inputs)
+    loss_fn(out).backward()
+    return out
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, exact: bool, what: str) -> None:
+    if exact:
+        assert torch.equal(a, b), what
+    elif a.is_floating_point():
+        # Summation order changes the last bits; relative to the tensor's scale, not elementwise.
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max() + 1e-12, what
+    else:
+        assert torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("name", models_zoo.names())
+def test_zoo_network_rewritten_at_two_budgets(name):
+    entry = models_zoo.get(name)
+    torch.manual_seed(0)
+    original = entry.build()
+    inputs = entry.example_inputs(batch_size=max(2, entry.min_batch), input_size=entry.quick_input_size)
+    vanilla = measure_step(original, inputs, fake=True, loss_fn=entry.loss).peak_bytes
+
+    smallest = fxplan.rewrite(copy.deepcopy(original), None, example_inputs=inputs, loss_fn=entry.loss)
+    budget = (smallest.fxplan_measured_peak_bytes + vanilla) // 2
+    middle = fxplan.rewrite(copy.deepcopy(original), budget / GiB, example_inputs=inputs, loss_fn=entry.loss)
+    assert smallest.fxplan_measured_peak_bytes <= vanilla
+    assert measure_step(middle, inputs, fake=True, loss_fn=entry.loss).peak_bytes <= budget
+
+    for optimized in (smallest, middle):
+        reference = copy.deepcopy(original)
+        exact = keeps_program_order(optimized)
+        out_r = train_step(reference, inputs, entry.loss, seed=1)
+        out_o = train_step(optimized, inputs, entry.loss, seed=1)
+        for a, b in zip(tree_leaves(out_r), tree_leaves(out_o), strict=True):
+            assert_same(a, b, exact, f"{name}: output")
+        params_o = dict(optimized.named_parameters())
+        for pname, p in reference.named_parameters():
+            assert_same(p.grad, params_o[pname].grad, exact, f"{name}: gradient of {pname}")
+        state_o = optimized.state_dict()
+        assert state_o.keys() == reference.state_dict().keys()
+        for key, value in reference.state_dict().items():
+            assert_same(value, state_o[key], exact, f"{name}: {key}")
