@@ -384,7 +384,10 @@ def compare_network(
         if m.name == "vanilla":
             ctx.vanilla_peak = row.peak_bytes
         try:
-            real = prepared.real_module or _real_copy(prepared.module, device)
+            # On the CPU every method runs on the model's own parameters (the peers and fxplan's rewrites
+            # share them), so memory does not grow with the number of methods; elsewhere: one copy each.
+            real = prepared.real_module or (prepared.module if device.type == "cpu"
+                                            else _real_copy(prepared.module, device))
             with progress.step(f"{network}: {m.name}: peak at batch {small_batch} (real step)"):
                 row.small_peak_bytes, row.small_meter = real_step_peak(real, small_inputs, loss_fn, device)
             live[m.name] = real
