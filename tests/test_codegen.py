@@ -26,13 +26,7 @@ from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.effects import ordering_edges
 from fxplan.errors import FxplanError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rewrite(model, plan_fn):

@@ -31,15 +31,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 from fxplan.codegen import segment_module
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: the 2 shared cores are contended, and bitwise comparisons only need
-    both models to run with the same setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rewrite_copy(model: torch.nn.Module, plan_fn) -> torch.nn.Module:

@@ -36,14 +36,7 @@ SMALL = {name: (2, 32) for name in IMAGE_NETS} | {"unet": (1, 188), "pspnet": (2
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this file's tiny forwards on one thread: on a shared 2-core machine the intra-op thread pool
-    costs more than it saves on 32x32 inputs (CPU time roughly halves). Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="session")

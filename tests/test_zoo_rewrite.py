@@ -20,13 +20,7 @@ import models_zoo
 from fxplan.measure import GiB, measure_step
 from fxplan.trace import COMPUTE_OPS
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def keeps_program_order(module) -> bool:
