@@ -57,11 +57,13 @@ def rewrite(
     plan as is. ``loss_fn(output)`` is the loss used when measuring (default: sum of the outputs).
 
     The budget is held to *measured* memory: each candidate plan is measured with
-    :func:`fxplan.measure_step` on fake tensors, and the solver's budget is tightened until the measured
-    peak fits. The result carries ``fxplan_plan`` (predicted peak, recompute fraction, segments) and
-    ``fxplan_measured_peak_bytes``. Raises :class:`BudgetError` with the smallest budget that fits.
+    :func:`fxplan.measure_step` on fake tensors, and the solver's budget is bisected until the measured
+    peak fits with the least recomputation (:func:`fit_budget`). The result carries ``fxplan_plan``
+    (predicted and measured peak, recompute fraction, segments) and ``fxplan_measured_peak_bytes``.
+    Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the smallest measured peak reached.
     """
-    _check_model(model)
+    if not isinstance(model, torch.nn.Module):
+        raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
     if plan is not None:
         return _attach(segment_module(trace_module(model), plan.segments), plan, None)
     budget_bytes = budget_to_bytes(budget_gb)
@@ -70,11 +72,6 @@ def rewrite(
         return LazyRewrite(model, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
     return fit_budget(model, tuple(example_inputs), budget_bytes, strategy=strategy, solver=solver,
                       loss_fn=loss_fn)
-
-
-def _check_model(model: Any) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
 
 
 def _attach(module: SegmentedModule, chosen: Plan, measured: int | None) -> SegmentedModule:
@@ -138,7 +135,7 @@ def _fit(cg: CostGraph, model, example_inputs, budget_bytes: int | None, *, stra
     good_target, good = budget_bytes, attempt(budget_bytes)
     if fits(good):
         # The model is usually pessimistic: a larger solver budget may still fit, with less recomputation.
-        bad_target = _no_recompute_prediction(cg, model, solver)
+        bad_target = _no_recompute_prediction(cg, model)
         if bad_target <= good_target:
             return good[0]
         top = attempt(bad_target)
@@ -161,9 +158,9 @@ def _fit(cg: CostGraph, model, example_inputs, budget_bytes: int | None, *, stra
     return good[0]
 
 
-def _no_recompute_prediction(cg: CostGraph, model: torch.nn.Module, solver: str) -> int:
-    """The solver's predicted peak (whole step) of the plan without recomputation: one segment."""
-    single = solve_graph(cg, None, strategy="time", solver="approx" if solver == "chen" else solver)
+def _no_recompute_prediction(cg: CostGraph, model: torch.nn.Module) -> int:
+    """The predicted peak (whole step) of the plan without recomputation, one segment (same for every DP)."""
+    single = solve_graph(cg, None, strategy="time", solver="approx")
     return single.predicted_peak_bytes + resident_bytes(cg, model)
 
 
