@@ -146,7 +146,9 @@ class _CostPropagator(torch.fx.Interpreter):
     """Runs the graph node by node on fake tensors, recording costs and saved tensors per node."""
 
     def __init__(self, gm: torch.fx.GraphModule, fake_mode: FakeTensorMode):
-        super().__init__(gm)
+        # Every value stays alive until propagation ends: storages are identified by address, and an
+        # address freed early would be reused by a later node and confuse who saved what.
+        super().__init__(gm, garbage_collect_values=False)
         self.records: dict[str, _NodeRecord] = {}
         self.param_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
         self.input_bytes = 0

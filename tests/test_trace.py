@@ -113,3 +113,12 @@ def test_defaulted_arguments_may_be_omitted():
     assert list(cg.nodes) == ["lin", "mul"]
     with pytest.raises(TraceError, match="1 to 2 inputs"):
         trace(WithDefault(), ())
+
+
+def test_tracing_is_deterministic():
+    model = torchvision.models.resnet18(weights=None)
+    with FakeTensorMode():
+        x = torch.randn(8, 3, 64, 64)
+    first, second = trace(model, (x,)), trace(model, (x,))
+    assert list(first.nodes(data=True)) == list(second.nodes(data=True))
+    assert list(first.edges(data=True)) == list(second.edges(data=True))
