@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxplan.errors import FxplanError
-from fxplan.measure import MiB, measure_step
+from fxplan.measure import GiB, MiB, measure_step
 from fxplan.trace import trace
 
 
@@ -114,19 +114,19 @@ def cmd_profile(args) -> int:
     print()
     print(f"vanilla peak of one training step, measured with {stats.meter} ({stats.seconds:.1f} s):")
     print(stats.table())
-    print(f"peak: {stats.peak_bytes / 1024**3:.3f} GiB ({stats.peak_bytes} bytes)")
+    print(f"peak: {stats.peak_bytes / GiB:.3f} GiB ({stats.peak_bytes} bytes)")
     return 0
 
 
 def cmd_plan(args) -> int:
-    from fxplan.planning import plan_graph
+    from fxplan.planning import budget_to_bytes, plan_graph
 
     progress = Progress(args.quiet)
     entry, model, inputs = load_model(args.model, args.batch_size, args.input_size, real=False,
                                       progress=progress)
     with progress.step("tracing and propagating shapes"):
         cg = trace(model, inputs)
-    budget = None if args.budget_gb is None else int(args.budget_gb * 1024**3)
+    budget = budget_to_bytes(args.budget_gb)
     with progress.step(f"planning ({args.solver}, {args.strategy}-centric)"):
         result = plan_graph(cg, model, budget, strategy=args.strategy, solver=args.solver)
     print(result.summary())

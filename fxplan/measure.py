@@ -179,9 +179,9 @@ def measure_step(
     inputs = tuple(example_inputs)
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
-    fake_mode = _fake_mode_of(model, inputs) if fake or _has_fake(model, inputs) else None
+    fake_mode = fake_mode_of(model, inputs) if fake or _has_fake(model, inputs) else None
     if fake_mode is not None:
-        fake_model, fake_inputs = fake_copy(model, fake_mode), _to_fake(inputs, fake_mode)
+        fake_model, fake_inputs = fake_copy(model, fake_mode), to_fake(inputs, fake_mode)
         with fake_mode:
             return _measure_tracked(fake_model, fake_inputs, loss_fn, timeline, "fake tensors")
     device = _device_of(model, inputs)
@@ -255,7 +255,7 @@ def _has_fake(model: torch.nn.Module, inputs) -> bool:
     return any(isinstance(t, FakeTensor) for t in tensors)
 
 
-def _fake_mode_of(model: torch.nn.Module, inputs) -> FakeTensorMode:
+def fake_mode_of(model: torch.nn.Module, inputs) -> FakeTensorMode:
     """The fake mode already used by the model or inputs, or a new one."""
     for t in [*tree_leaves(inputs), *model.parameters(), *model.buffers()]:
         if isinstance(t, FakeTensor):
@@ -278,7 +278,9 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     return copy.deepcopy(model, memo)
 
 
-def _to_fake(inputs, fake_mode: FakeTensorMode):
+def to_fake(inputs, fake_mode: FakeTensorMode) -> tuple:
+    """The inputs with every real tensor converted to a fake one of ``fake_mode`` (others unchanged)."""
+
     def convert(x):
         if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor):
             return x

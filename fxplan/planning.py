@@ -18,10 +18,10 @@ import torch
 from fxplan import chen, dp
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
+from fxplan.measure import GiB
 from fxplan.plans import Plan
 from fxplan.trace import trace
 
-GiB = 1024**3
 SOLVERS = ("approx", "exact", "chen")
 STRATEGIES = ("time", "memory")
 

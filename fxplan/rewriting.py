@@ -18,9 +18,8 @@ import torch
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.measure import measure_step
+from fxplan.measure import GiB, measure_step
 from fxplan.planning import (
-    GiB,
     budget_to_bytes,
     check_choices,
     min_budget_bytes_graph,

@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges
 from fxplan.errors import TraceError
-from fxplan.measure import fake_copy
+from fxplan.measure import fake_copy, fake_mode_of, to_fake
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -107,27 +107,11 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, cost_model: 
         count = len(placeholders) if len(required) == len(placeholders) else f"{len(required)} to {len(placeholders)}"
         raise TraceError(f"{type(model).__name__}.forward takes {count} inputs ({names}), "
                          f"got {len(inputs)} example inputs")
-    fake_mode = _fake_mode_for(inputs)
+    fake_mode = fake_mode_of(model, inputs)
     propagator = _CostPropagator(fake_copy(gm, fake_mode), fake_mode)
     with fake_mode, torch.enable_grad():
-        propagator.run(*[_as_fake(x, fake_mode) for x in inputs])
+        propagator.run(*to_fake(inputs, fake_mode))
     return _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
-
-
-def _fake_mode_for(inputs) -> FakeTensorMode:
-    for x in tree_leaves(inputs):
-        if isinstance(x, FakeTensor):
-            return x.fake_mode
-    return FakeTensorMode()
-
-
-def _as_fake(x, fake_mode: FakeTensorMode):
-    def convert(t):
-        if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor):
-            return fake_mode.from_tensor(t)
-        return t
-
-    return tree_map(convert, x)
 
 
 class _NodeRecord:
