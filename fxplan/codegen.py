@@ -31,6 +31,7 @@ change the order in which the autograd engine sums three or more gradient contri
 from __future__ import annotations
 
 import copy
+import logging
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -39,8 +40,11 @@ import torch
 import torch.fx as fx
 
 from fxplan import effects
+from fxplan.capture import owning_graph_module
 from fxplan.errors import FxplanError
 from fxplan.recompute import Segment
+
+logger = logging.getLogger("fxplan")
 
 _LAST = 1 << 30  # segment index of the output node
 
@@ -56,9 +60,41 @@ class SegmentedModule(fx.GraphModule):
     It owns the original module tree under the original names (same ``state_dict`` keys as the
     traced module); its segments only reference it. ``print(m.code)`` shows the calls,
     ``print(m.segment_0.code)`` a block, and :meth:`readable` everything.
+
+    Built from a captured model (:mod:`fxplan.capture`), it runs the plan only for the call it was
+    planned for: training with gradients, every module in the train/eval mode it was captured in,
+    and (for graphs from torch.export) the same argument structure and input shapes. Any other call
+    runs the original model's ``forward`` on the same modules, which is what the original would do;
+    a training call that differs from the planned one is logged, since it recomputes nothing.
     """
 
     fxplan_segments: tuple[tuple[str, ...], ...]
+
+    def recompile(self):
+        result = super().recompile()
+        impl = type(self)  # GraphModule gives every instance a class of its own
+        if impl.forward is not SegmentedModule._call_as_planned:
+            impl._fxplan_graph_forward = impl.forward
+            impl.forward = SegmentedModule._call_as_planned
+        return result
+
+    def _call_as_planned(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.__dict__.get("_fxplan_original")
+        interface = self.__dict__.get("_fxplan_interface")
+        if original is None or interface is None:
+            return self._fxplan_graph_forward(*args, **kwargs)
+        original.training = self.training
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        why = interface.mismatch(original, args, kwargs)
+        if why is not None:
+            if self.training and why not in self._fxplan_warned:
+                self._fxplan_warned.add(why)
+                logger.warning("fxplan: %s runs its original forward, without recomputation, for this call: "
+                               "%s. Rewrite it for this call to plan it.", self._get_name(), why)
+            return original(*args, **kwargs)
+        graph_args, graph_kwargs = interface.graph_inputs(args, kwargs)
+        return interface.output(self._fxplan_graph_forward(*graph_args, **graph_kwargs))
 
     def segment_modules(self) -> list[Segment]:
         """The segments, in execution order."""
@@ -80,18 +116,20 @@ class SegmentedModule(fx.GraphModule):
         holder.__dict__["_parameters"] = dict(self._parameters)
         holder.__dict__["_buffers"] = dict(self._buffers)
         holder.__dict__["_non_persistent_buffers_set"] = set(self._non_persistent_buffers_set)
-        for k, v in self._fxplan_extra_attrs.items():
-            holder.__dict__[k] = v
+        holder.__dict__["_fxplan_extras"] = dict(self._fxplan_extra_attrs)
         holder.training = self.training
         return holder
+
+    def _call_state(self) -> dict[str, Any]:
+        return {k: self.__dict__[k] for k in ("_fxplan_original", "_fxplan_interface") if k in self.__dict__}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SegmentedModule:
         holder = copy.deepcopy(self._state_holder(), memo)
         graph = copy.deepcopy(self._fxplan_graph)
         new = segment_module(_graph_module(holder, graph, self._get_name()), self.fxplan_segments)
         memo[id(self)] = new
-        for key, value in self._user_attrs().items():
-            setattr(new, key, copy.deepcopy(value, memo))
+        for key, value in {**self._call_state(), **self._user_attrs()}.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
         return new
 
     def _user_attrs(self) -> dict[str, Any]:
@@ -103,7 +141,8 @@ class SegmentedModule(fx.GraphModule):
     def __reduce__(self) -> tuple[Any, ...]:
         holder = self._state_holder()
         gm = _graph_module(holder, copy.deepcopy(self._fxplan_graph), self._get_name())
-        return (_rebuild, (holder, gm, self.fxplan_segments, self._get_name()), self._user_attrs())
+        state = {**self._call_state(), **self._user_attrs()}
+        return (_rebuild, (holder, gm, self.fxplan_segments, self._get_name()), state)
 
 
 def _rebuild(
@@ -114,13 +153,7 @@ def _rebuild(
 
 def _graph_module(holder: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
     """A GraphModule running ``graph`` that owns *all* of ``holder``'s state, not only what it uses."""
-    gm = fx.GraphModule(holder, graph, class_name)
-    gm.training = holder.training
-    gm.__dict__["_modules"] = dict(holder._modules)
-    gm.__dict__["_parameters"] = dict(holder._parameters)
-    gm.__dict__["_buffers"] = dict(holder._buffers)
-    gm.__dict__["_non_persistent_buffers_set"] = set(holder._non_persistent_buffers_set)
-    return gm
+    return owning_graph_module(holder, graph, holder.__dict__.get("_fxplan_extras"), class_name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,6 +465,9 @@ def segment_module(
     out._fxplan_graph = copy.deepcopy(gm.graph)
     out.fxplan_segments = tuple(tuple(s) for s in plan)
     out.training = gm.training  # not .train(): leave the submodules' own modes alone
+    out._fxplan_warned = set()
+    if "fxplan_call" in gm.meta:
+        out.__dict__["_fxplan_original"], out.__dict__["_fxplan_interface"] = gm.meta["fxplan_call"]
     for seg in seg_modules.values():
         seg.training = gm.training
         seg._set_owner(out)

@@ -98,11 +98,14 @@ def _module(gm: torch.nn.Module, target: str) -> torch.nn.Module | None:
 def mutated_position(node: fx.Node, gm: torch.nn.Module) -> tuple[str, int | str] | None:
     """Where the argument a node overwrites in place sits: ``("arg", i)``, ``("kwarg", name)`` or None.
 
-    Recognised: modules with ``inplace=True`` (ReLU, Dropout, Hardtanh, ...), ``operator.i*``,
-    ``torch.*_`` functions (``torch.relu_``), functions called with ``inplace=True`` (``F.relu``),
-    and tensor methods ending in a single underscore (``x.add_``), all of which overwrite their
-    first tensor argument.
+    Recognised: ATen operators whose schema marks an argument as written (``aten.add_``,
+    ``aten.silu_``, in graphs captured by torch.export), modules with ``inplace=True`` (ReLU, Dropout,
+    Hardtanh, ...), ``operator.i*``, ``torch.*_`` functions (``torch.relu_``), functions called with
+    ``inplace=True`` (``F.relu``), and tensor methods ending in a single underscore (``x.add_``), all of
+    which overwrite their first tensor argument.
     """
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return _schema_position(node, lambda a: a.alias_info is not None and a.alias_info.is_write)
     if node.op == "call_module":
         mod = _module(gm, str(node.target))
         if mod is not None and getattr(mod, "inplace", False) is True and node.args:
@@ -138,6 +141,51 @@ def mutated_position(node: fx.Node, gm: torch.nn.Module) -> tuple[str, int | str
             first = next(iter(bound.arguments))
             return ("arg", 0) if node.args else ("kwarg", first)
     return None
+
+
+def _schema_position(node: fx.Node, wanted) -> tuple[str, int | str] | None:
+    """Position of the first schema argument of an ATen call for which ``wanted(argument)`` holds."""
+    for i, argument in enumerate(node.target._schema.arguments):
+        if wanted(argument):
+            if i < len(node.args):
+                return ("arg", i)
+            return ("kwarg", argument.name) if argument.name in node.kwargs else None
+    return None
+
+
+def _aten_view_source(node: fx.Node) -> fx.Node | None:
+    """The input an ATen op's result may alias: a schema alias set shared with a return, or maybe-aliasing ops."""
+    op = node.target
+    returned = {a for r in op._schema.returns if r.alias_info is not None for a in r.alias_info.before_set}
+    pos = _schema_position(node, lambda a: a.alias_info is not None and bool(set(a.alias_info.before_set)
+                                                                               & returned))
+    if pos is None and torch.Tag.maybe_aliasing_or_mutating in op.tags and node.args:
+        pos = ("arg", 0)
+    if pos is None:
+        return None
+    kind, key = pos
+    value = node.args[key] if kind == "arg" else node.kwargs.get(key)  # type: ignore[index]
+    return value if isinstance(value, fx.Node) else None
+
+
+#: Ops whose schema does not mark the running statistics they update in training (args 3, 4; flag 5).
+_UNANNOTATED_NORM_WRITES = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"})
+
+
+def written_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list:
+    """The argument values an ATen op call writes in place: from its schema, plus the batch-norm
+    kernels whose schemas omit the running statistics they update when ``training`` is true."""
+    schema = func._schema
+    values = []
+    for i, argument in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            values.append(value)
+        elif schema.name.split("::")[-1] in _UNANNOTATED_NORM_WRITES and i in (3, 4):
+            training = args[5] if len(args) > 5 else kwargs.get("training")
+            if training:
+                values.append(value)
+    return values
 
 
 def _signature(fn: object) -> inspect.Signature | None:
@@ -177,6 +225,8 @@ def view_source(node: fx.Node, gm: torch.nn.Module) -> fx.Node | None:
     mutated = mutated_arg(node, gm)
     if mutated is not None:
         return mutated
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return _aten_view_source(node)
     first = node.args[0] if node.args else None
     if not isinstance(first, fx.Node):
         return None
@@ -211,6 +261,10 @@ def is_random(node: fx.Node, gm: torch.nn.Module) -> bool:
     if node.op == "call_method":
         return str(node.target) in RANDOM_METHODS
     if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload):
+            return torch.Tag.nondeterministic_seeded in node.target.tags
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return True  # a region (e.g. under no_grad) whose inside is not inspected: keep it in order
         return node.target in RANDOM_FUNCTIONS
     return False
 

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 
 GiB = 1024**3
@@ -176,7 +177,8 @@ def measure_step(
     the allocator's ``max_memory_allocated`` is the meter.
     """
     loss_fn = loss_fn or default_loss
-    inputs = tuple(example_inputs)
+    call = as_call(example_inputs)
+    inputs = (call.args, call.kwargs)
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
     fake_mode = fake_mode_of(model, inputs) if fake or _has_fake(model, inputs) else None
@@ -204,7 +206,7 @@ def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> Step
     start = time.perf_counter()
     with tracker:
         tracker.phase = "activations"
-        loss = loss_fn(model(*inputs))
+        loss = loss_fn(model(*inputs[0], **inputs[1]))
         tracker.phase = BACKWARD
         loss.backward()
         del loss
@@ -230,7 +232,7 @@ def _measure_cuda(model, inputs, loss_fn, device: torch.device) -> StepStats:
     base = torch.cuda.memory_allocated(device)
     resident = resident_bytes(model, inputs)
     start = time.perf_counter()
-    loss = loss_fn(model(*inputs))
+    loss = loss_fn(model(*inputs[0], **inputs[1]))
     loss.backward()
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -260,7 +262,8 @@ def fake_mode_of(model: torch.nn.Module, inputs) -> FakeTensorMode:
     for t in [*tree_leaves(inputs), *model.parameters(), *model.buffers()]:
         if isinstance(t, FakeTensor):
             return t.fake_mode
-    return FakeTensorMode(allow_non_fake_inputs=False)
+    # Real tensors met while measuring (labels a loss_fn closes over, masks) are converted, not refused.
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
@@ -278,15 +281,16 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     return copy.deepcopy(model, memo)
 
 
-def to_fake(inputs, fake_mode: FakeTensorMode) -> tuple:
-    """The inputs with every real tensor converted to a fake one of ``fake_mode`` (others unchanged)."""
+def to_fake(inputs: Any, fake_mode: FakeTensorMode) -> Any:
+    """``inputs`` (any nesting of tuples, lists, dicts) with every real tensor converted to a fake one of
+    ``fake_mode`` (others unchanged); a tuple stays a tuple."""
 
     def convert(x):
         if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor):
             return x
         return fake_mode.from_tensor(x)
 
-    return tuple(torch.utils._pytree.tree_map(convert, list(inputs)))
+    return torch.utils._pytree.tree_map(convert, inputs)
 
 
 def _device_of(model: torch.nn.Module, inputs) -> torch.device:
@@ -308,11 +312,11 @@ def measure_step_profiler(
     """
     model = copy.deepcopy(model)
     start = time.perf_counter()
-    peak = profiled_step_peak(model, tuple(example_inputs), loss_fn or default_loss)
+    peak = profiled_step_peak(model, example_inputs, loss_fn or default_loss)
     return StepStats(peak, {}, time.perf_counter() - start, "torch.profiler allocation events")
 
 
-def profiled_step_peak(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor]) -> int:
+def profiled_step_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> int:
     """Peak bytes of one real step of ``model`` (run in place) from the allocator events the profiler records.
 
     It sees allocations the dispatch-level tracker cannot (inside ``torch.compile``d code, kernel
@@ -322,9 +326,10 @@ def profiled_step_peak(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action
 
+    call = as_call(inputs)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
-        loss = loss_fn(model(*inputs))
+        loss = loss_fn(model(*call.args, **call.kwargs))
         loss.backward()
         del loss
     current = peak = 0
@@ -335,4 +340,4 @@ def profiled_step_peak(model: torch.nn.Module, inputs: tuple, loss_fn: Callable[
             current -= size
         peak = max(peak, current)
     # Tensors created before profiling started and never touched are invisible to the profiler.
-    return max(peak, resident_bytes(model, inputs))
+    return max(peak, resident_bytes(model, (call.args, call.kwargs)))

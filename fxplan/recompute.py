@@ -205,7 +205,11 @@ class Segment(fx.GraphModule):
         return slots
 
     def _known_mutating(self, slots: list[tuple[str, torch.nn.Module, str]]) -> set[str]:
+        """Buffers the forward will mutate: seen by :func:`fxplan.trace.trace` in what the graph's ops
+        write, learned in earlier steps, and (for graphs not traced by fxplan) training norm layers."""
         known = set(self._fxplan_learned)
+        for node in self.graph.nodes:
+            known.update(node.meta.get("fxplan_mutates", ()))
         for key, mod, _ in slots:
             if isinstance(mod, STATEFUL_NORMS) and mod.training:
                 known.add(key)

@@ -28,6 +28,7 @@ from fxplan.planning import (
     solve_graph,
 )
 from fxplan.plans import Plan
+from fxplan.capture import ExampleCall, capture
 from fxplan.trace import trace, trace_module
 
 logger = logging.getLogger("fxplan")
@@ -64,13 +65,13 @@ def rewrite(
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
     if plan is not None:
-        return _attach(segment_module(trace_module(model), plan.segments), plan, None)
+        gm = trace_module(model) if example_inputs is None else capture(model, example_inputs).gm
+        return _attach(segment_module(gm, plan.segments), plan, None)
     budget_bytes = budget_to_bytes(budget_gb)
     check_choices(strategy, solver)
     if example_inputs is None:
         return LazyRewrite(model, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
-    return fit_budget(model, tuple(example_inputs), budget_bytes, strategy=strategy, solver=solver,
-                      loss_fn=loss_fn)
+    return fit_budget(model, example_inputs, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
 
 
 def _attach(module: SegmentedModule, chosen: Plan, measured: int | None) -> SegmentedModule:
@@ -198,24 +199,25 @@ class LazyRewrite(torch.nn.Module):
     def fxplan_plan(self) -> Plan | None:
         return None if self.fxplan_module is None else self.fxplan_module.fxplan_plan
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self._fxplan_original
-        original.train(self.training)
+        original.training = self.training
         if not (self.training and torch.is_grad_enabled()):
-            return original(*args)
-        shapes = _shape_key(args)
+            return original(*args, **kwargs)
+        shapes = _shape_key(args, kwargs)
         if shapes != self._shapes:
             if self._shapes is None:
                 logger.info("fxplan: planning for input shapes %s", shapes)
             else:
                 logger.warning("fxplan: input shapes changed from %s to %s; re-planning", self._shapes, shapes)
-            module = fit_budget(original, args, **self._settings)
+            module = fit_budget(original, ExampleCall(args, kwargs), **self._settings)
             self.__dict__["fxplan_module"] = module
             self._shapes = shapes
-        self.fxplan_module.train(self.training)
-        return self.fxplan_module(*args)
+        self.fxplan_module.training = self.training
+        return self.fxplan_module(*args, **kwargs)
 
 
-def _shape_key(args: Sequence[Any]) -> tuple:
+def _shape_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+    leaves = torch.utils._pytree.tree_leaves((tuple(args), kwargs))
     return tuple((tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
-                 for t in args)
+                 for t in leaves)

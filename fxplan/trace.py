@@ -1,7 +1,8 @@
 """Tracing a model into a :class:`~fxplan.costgraph.CostGraph`.
 
-``torch.fx.symbolic_trace`` at module granularity gives the graph (leaf modules are torch.nn's, which
-matches the node counts of Kusumoto et al.'s Chainer graphs). The example inputs are then propagated
+:func:`fxplan.capture.capture` gives the graph: ``torch.fx.symbolic_trace`` at module granularity where
+it works (leaf modules are torch.nn's, which matches the node counts of Kusumoto et al.'s Chainer
+graphs), an ATen graph from ``torch.export`` otherwise. The example inputs are then propagated
 through a private fake-tensor copy of the model, one node at a time, to record per node:
 
 * ``M``: bytes of the node's output tensors (as if written out of place);
@@ -11,7 +12,8 @@ through a private fake-tensor copy of the model, one node at a time, to record p
 * what autograd saves for the node's backward, seen through ``saved_tensors_hooks``: whether it keeps
   the node's own output (``saves_output``), which predecessors' outputs it keeps (``saved_inputs``),
   and the bytes of anything else it keeps (``saved``: BatchNorm statistics, pooling indices, masks);
-* ``alias_of``: the predecessor whose storage the output shares (views and in-place ops), else None.
+* ``alias_of``: the predecessor whose storage the output shares (views and in-place ops), else None;
+* ``mutates``: the buffers the node writes in place, seen from the schemas of the ops it runs.
 
 Besides data edges, the graph holds ``order_only`` edges (see :func:`fxplan.effects.ordering_edges`):
 random ops keep their program order, and readers after an in-place write stay after it, so every
@@ -25,17 +27,18 @@ user's model (parameters, BatchNorm statistics) untouched.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxplan.capture import Captured, as_call, capture, symbolic_trace_module
 from fxplan.costgraph import CostGraph
-from fxplan.effects import ordering_edges
+from fxplan.effects import ordering_edges, written_arguments
 from fxplan.errors import TraceError
 from fxplan.measure import fake_copy, fake_mode_of, to_fake
 
@@ -56,66 +59,78 @@ _MODULE_KINDS = {
 
 
 def trace_module(model: torch.nn.Module) -> torch.fx.GraphModule:
-    """``torch.fx.symbolic_trace`` with an error that says which module failed and what to do."""
-    if not isinstance(model, torch.nn.Module):
-        raise TraceError(f"fxplan traces nn.Module objects, got {type(model).__name__}")
-    if isinstance(model, torch.fx.GraphModule):
-        return model
-    tracer = _LocatingTracer()
-    try:
-        graph = tracer.trace(model)
-    except Exception as exc:  # torch.fx raises many types; all mean "not traceable"
-        where = tracer.fxplan_path[-1] if tracer.fxplan_path else type(model).__name__
-        raise TraceError(
-            f"torch.fx could not trace {type(model).__name__}: the failure is inside module '{where}' "
-            f"({type(exc).__name__}: {exc}). Typical causes are Python control flow that depends on tensor "
-            "values or shapes. Make that module a leaf (torch.fx.wrap it, or move the dynamic part into a "
-            "submodule fxplan treats as one node), or rewrite the branch without data-dependent control flow."
-        ) from exc
-    return torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    """``symbolic_trace`` at module granularity (see :mod:`fxplan.capture`), raising :class:`TraceError`."""
+    return symbolic_trace_module(model)
 
 
-class _LocatingTracer(torch.fx.Tracer):
-    """A tracer that remembers the module path it is inside, to name it when tracing fails."""
+def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "flops",
+          captured: Captured | None = None) -> CostGraph:
+    """Capture ``model`` and propagate ``example_inputs`` (real or fake) into a cost graph.
 
-    def __init__(self):
-        super().__init__()
-        self.fxplan_path: list[str] = []
-
-    def call_module(self, m, forward, args, kwargs):
-        self.fxplan_path.append(self.path_of_module(m) or type(m).__name__)
-        out = super().call_module(m, forward, args, kwargs)
-        self.fxplan_path.pop()
-        return out
-
-
-def trace(model: torch.nn.Module, example_inputs: Sequence[Any], *, cost_model: str = "flops") -> CostGraph:
-    """Trace ``model`` and propagate ``example_inputs`` (real or fake) into a cost graph.
-
+    ``example_inputs`` is a tuple of positional arguments, a dict of keyword arguments or one tensor.
     ``cost_model`` is ``"flops"`` (default) or ``"paper"`` (Kusumoto et al. section 3: 10 for a
-    convolution, 1 otherwise). The traced GraphModule (sharing the user's submodules) is kept in
-    ``cg.graph["gm"]``.
+    convolution, 1 otherwise). The captured GraphModule (sharing the user's modules) is kept in
+    ``cg.graph["gm"]`` and the :class:`~fxplan.capture.Captured` record in ``cg.graph["captured"]``.
+    Nodes that update buffers in place (BatchNorm statistics of any class, counters) list them in
+    ``mutates``, also recorded in the graph node's ``meta["fxplan_mutates"]`` for the rewriter.
     """
     if cost_model not in ("flops", "paper"):
         raise ValueError(f"cost_model must be 'flops' or 'paper', got {cost_model!r}")
-    gm = trace_module(model)
-    inputs = tuple(example_inputs)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    required = [n for n in placeholders if not n.args]  # a placeholder's args hold its default value
-    if not len(required) <= len(inputs) <= len(placeholders):
-        names = ", ".join(n.target for n in placeholders)
-        count = len(placeholders) if len(required) == len(placeholders) else f"{len(required)} to {len(placeholders)}"
-        raise TraceError(f"{type(model).__name__}.forward takes {count} inputs ({names}), "
-                         f"got {len(inputs)} example inputs")
-    fake_mode = fake_mode_of(model, inputs)
+    call = as_call(example_inputs)
+    captured = captured or capture(model, call)
+    gm = captured.gm
+    args, kwargs = captured.interface.graph_inputs(call.args, call.kwargs)
+    values = _placeholder_values(gm, args, kwargs, type(model).__name__)
+    fake_mode = fake_mode_of(model, (call.args, call.kwargs))
     propagator = _CostPropagator(fake_copy(gm, fake_mode), fake_mode)
     with fake_mode, torch.enable_grad():
-        propagator.run(*to_fake(inputs, fake_mode))
-    return _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
+        propagator.run(*to_fake(values, fake_mode))
+    for node in gm.graph.nodes:
+        if node.name in propagator.records:
+            node.meta["fxplan_mutates"] = propagator.records[node.name].mutates
+    cg = _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
+    cg.graph["captured"] = captured
+    return cg
+
+
+def _placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict[str, Any], name: str) -> list[Any]:
+    """One value per placeholder of ``gm``: positional first, then by name, then the placeholder's default."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(args) > len(placeholders):
+        raise TraceError(f"{name}.forward takes {len(placeholders)} inputs, got {len(args)} example inputs")
+    values = list(args)
+    for node in placeholders[len(args):]:
+        if node.target in kwargs:
+            values.append(kwargs[node.target])
+        elif node.args:  # a placeholder's args hold its default value
+            values.append(node.args[0])
+        else:
+            names = ", ".join(str(n.target) for n in placeholders)
+            raise TraceError(f"{name}.forward({names}) needs a value for '{node.target}' in the example inputs")
+    return values
+
+
+class _MutationRecorder(TorchDispatchMode):
+    """Notes which buffers the ops it sees write in place (:func:`fxplan.effects.written_arguments`),
+    whatever module class runs them."""
+
+    def __init__(self, buffers: dict[int, tuple[str, ...]]):
+        super().__init__()
+        self.buffers = buffers
+        self.written: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in written_arguments(func, args, kwargs):
+            for t in _tensors(value):
+                for name in self.buffers.get(t.untyped_storage()._cdata, ()):
+                    if name not in self.written:
+                        self.written.append(name)
+        return func(*args, **kwargs)
 
 
 class _NodeRecord:
-    __slots__ = ("out_bytes", "flops", "saved_storages", "out_storages", "numel", "alias_storage")
+    __slots__ = ("out_bytes", "flops", "saved_storages", "out_storages", "numel", "alias_storage", "mutates")
 
     def __init__(self):
         self.out_bytes = 0
@@ -124,6 +139,7 @@ class _NodeRecord:
         self.saved_storages: dict[int, int] = {}
         self.out_storages: set[int] = set()
         self.alias_storage: int | None = None
+        self.mutates: tuple[str, ...] = ()
 
 
 class _CostPropagator(torch.fx.Interpreter):
@@ -137,6 +153,10 @@ class _CostPropagator(torch.fx.Interpreter):
         self.param_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
         self.input_bytes = 0
         self.resident_keys = {t.untyped_storage()._cdata for t in [*gm.parameters(), *gm.buffers()]}
+        self.buffer_names: dict[int, tuple[str, ...]] = {}
+        for name, b in gm.named_buffers(remove_duplicate=False):
+            key = b.untyped_storage()._cdata
+            self.buffer_names[key] = (*self.buffer_names.get(key, ()), name)
 
     def placeholder(self, target, args, kwargs):
         value = super().placeholder(target, args, kwargs)
@@ -158,8 +178,10 @@ class _CostPropagator(torch.fx.Interpreter):
             return t
 
         flop_counter = FlopCounterMode(display=False)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter:
+        mutations = _MutationRecorder(self.buffer_names)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, mutations:
             out = super().run_node(n)
+        record.mutates = tuple(mutations.written)
         record.flops = flop_counter.get_total_flops()
         for t in _tensors(out):
             key = t.untyped_storage()._cdata
@@ -199,6 +221,7 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
             saves_output=saves_output,
             saved_inputs=saved_inputs,
             alias_of=owner.get(rec.alias_storage) if rec.alias_storage is not None else None,
+            mutates=rec.mutates,
             kind=kind,
             target=_target_name(node),
         )
@@ -243,9 +266,18 @@ def _kind(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
                 return kind
         return type(mod).__name__.lower()
     if node.op == "call_function":
+        if isinstance(node.target, torch._ops.OpOverload):
+            name = node.target._opname
+            return "conv" if name.startswith(("conv", "convolution")) else _ATEN_KINDS.get(name, name)
         name = getattr(node.target, "__name__", str(node.target))
         return {operator.add: "add", operator.iadd: "add", operator.mul: "mul"}.get(node.target, name)
     return str(node.target)
+
+
+#: ATen op names (graphs from torch.export) that mean the same as a module kind above.
+_ATEN_KINDS = {"batch_norm": "bn", "relu": "relu", "relu_": "relu", "max_pool2d": "maxpool",
+               "avg_pool2d": "avgpool", "adaptive_avg_pool2d": "avgpool", "dropout": "dropout",
+               "embedding": "embedding", "add": "add", "add_": "add", "mul": "mul"}
 
 
 def _target_name(node: torch.fx.Node) -> str:

@@ -1,0 +1,408 @@
+"""Capture: a model and example inputs → the torch.fx graph that fxplan plans and rewrites.
+
+Two capturers, tried in this order:
+
+* ``torch.fx.symbolic_trace`` at module granularity: readable graphs whose nodes are the model's own
+  modules (``self.layer1.0.conv1``), the granularity of Kusumoto et al.'s graphs. It fails on most
+  Hugging Face models (control flow on shapes, ``**kwargs`` signatures, slicing with proxies).
+* ``torch.export`` (non-strict) on a fake-tensor copy of the model: an ATen-level graph of the step's
+  forward (``aten.linear``, ``aten.layer_norm``, ``aten.scaled_dot_product_attention`` ...) that runs
+  the same kernels as eager PyTorch, so outputs and gradients stay bitwise equal. It specialises on the
+  example inputs' shapes and on the modules' train/eval flags.
+
+Either way the captured :class:`torch.fx.GraphModule` owns *all* of the model's state, the very same
+module, parameter and buffer objects under their original names: ``state_dict`` keys, parameter sharing
+and non-persistent buffers are the model's own. Tensors the capture invents (constants) are kept as
+non-persistent buffers, never as new ``state_dict`` entries, and nothing is left on the user's model.
+
+A graph is a picture of one call in one mode. :class:`CallInterface` records that call (the train/eval
+flag of every module, the input structure and, for export, the shapes) so that the rewritten module can
+tell whether a later call is the one it was planned for; a call that is not (``eval()``, other input
+shapes, other keyword arguments) runs the original ``forward`` instead, which is exact by definition.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from fxplan.errors import TraceError
+
+logger = logging.getLogger("fxplan")
+
+#: ATen ops that only check what export assumed; the rewritten module checks its inputs itself.
+_ASSERTIONS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
+
+
+@dataclass
+class ExampleCall:
+    """Positional and keyword arguments of one call of a model."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+
+
+def as_call(example_inputs: Any) -> ExampleCall:
+    """Example inputs as users give them: a tuple or list (positional), a dict (keyword) or one tensor."""
+    if isinstance(example_inputs, ExampleCall):
+        return example_inputs
+    if isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise TraceError("example_inputs given as a dict must map argument names (str) to values")
+        return ExampleCall((), dict(example_inputs))
+    if isinstance(example_inputs, torch.Tensor):
+        return ExampleCall((example_inputs,), {})
+    if isinstance(example_inputs, Sequence) and not isinstance(example_inputs, (str, bytes)):
+        return ExampleCall(tuple(example_inputs), {})
+    raise TraceError(
+        f"example_inputs must be a tuple of positional arguments, a dict of keyword arguments or a tensor, "
+        f"got {type(example_inputs).__name__}"
+    )
+
+
+def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """``model(*args, **kwargs)`` for example inputs in any of the forms :func:`as_call` accepts."""
+    call = as_call(inputs)
+    return model(*call.args, **call.kwargs)
+
+
+def module_modes(model: torch.nn.Module) -> tuple[bool, ...]:
+    """The train/eval flag of every module, in ``modules()`` order: what a captured graph is specialised on."""
+    return tuple(m.training for m in model.modules())
+
+
+class CallInterface:
+    """How a call of the original model maps onto the captured graph, and whether it is the captured one.
+
+    ``flat=False`` (symbolic_trace): the graph takes the model's own arguments and returns its own output.
+    ``flat=True`` (export): the graph takes the pytree leaves of the call, normalised against the
+    ``forward`` signature, and returns the leaves of the output, rebuilt with ``out_spec``.
+    ``injected`` are keyword arguments fxplan adds to every planned call (``use_cache=False``).
+    """
+
+    def __init__(self, model: torch.nn.Module, call: ExampleCall, *, flat: bool,
+                 injected: dict[str, Any] | None = None):
+        self.signature = _signature(model)
+        self.modes = module_modes(model)
+        self.flat = flat
+        self.injected = dict(injected or {})
+        self.out_spec: pytree.TreeSpec | None = None
+        self.in_spec: pytree.TreeSpec | None = None
+        self.leaf_keys: tuple | None = None
+        if flat:
+            leaves, self.in_spec = pytree.tree_flatten(self.normalize(call.args, call.kwargs))
+            self.leaf_keys = tuple(_leaf_key(x) for x in leaves)
+
+    def normalize(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """The call as export sees it: positional-only arguments as ``args``, every other one by name."""
+        kwargs = {**kwargs, **{k: v for k, v in self.injected.items() if k not in kwargs}}
+        if self.signature is None:
+            return tuple(args), dict(kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        positional: list[Any] = []
+        named: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                positional.extend(value)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            else:
+                named[name] = value
+        return tuple(positional), named
+
+    def mismatch(self, model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+        """Why this call is not the one the graph was captured for, or None if it is."""
+        if module_modes(model) != self.modes:
+            return "the train/eval mode of some module differs from the mode fxplan planned in"
+        if not self.flat:
+            return None
+        try:
+            leaves, spec = pytree.tree_flatten(self.normalize(args, kwargs))
+        except TypeError as exc:
+            return f"the arguments do not match the signature of forward ({exc})"
+        if spec != self.in_spec:
+            return "the call passes other arguments (or another structure) than the planned call"
+        keys = tuple(_leaf_key(x) for x in leaves)
+        if keys != self.leaf_keys:
+            diff = next(f"{a} instead of {b}" for a, b in zip(keys, self.leaf_keys) if a != b)
+            return f"an input differs from the planned call: {diff}"
+        return None
+
+    def graph_inputs(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """The arguments to pass to the captured graph's ``forward``."""
+        if not self.flat:
+            return args, kwargs
+        return tuple(pytree.tree_leaves(self.normalize(args, kwargs))), {}
+
+    def output(self, graph_output: Any) -> Any:
+        """The model's output built from what the captured graph returned."""
+        if not self.flat:
+            return graph_output
+        return pytree.tree_unflatten(list(graph_output), self.out_spec)
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+    if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+        return ("value", x)
+    return ("object", type(x).__name__, id(x))
+
+
+def _signature(model: torch.nn.Module) -> inspect.Signature | None:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class Captured:
+    """A captured model: the graph (owning the model's state) and how calls map onto it."""
+
+    gm: fx.GraphModule
+    method: str
+    interface: CallInterface
+
+
+def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
+    """Capture ``model`` for the call ``example_inputs`` (real or fake tensors); the model is not changed.
+
+    Tries ``symbolic_trace`` and then ``torch.export`` (see the module docstring). Raises
+    :class:`~fxplan.errors.TraceError` naming what each capturer stopped at, where, and what to do.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"fxplan captures nn.Module objects, got {type(model).__name__}")
+    call = as_call(example_inputs)
+    try:
+        gm = symbolic_trace_module(model)
+        _check_arguments(model, gm, call)
+        captured = Captured(gm, "symbolic_trace", CallInterface(model, call, flat=False))
+    except TraceError as fx_error:
+        logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
+        try:
+            captured = export_module(model, call)
+        except TraceError as export_error:
+            raise TraceError(
+                f"fxplan could not capture {type(model).__name__}.\n"
+                f"- torch.fx.symbolic_trace: {fx_error}\n- torch.export (non-strict): {export_error}"
+            ) from export_error
+    # What the rewritten module needs to tell planned calls from others (see fxplan.codegen).
+    captured.gm.meta["fxplan_call"] = (model, captured.interface)
+    return captured
+
+
+# ----------------------------------------------------------------------------------------------
+# symbolic_trace
+
+
+def symbolic_trace_module(model: torch.nn.Module) -> fx.GraphModule:
+    """``symbolic_trace`` at module granularity, as a GraphModule owning all of ``model``'s state."""
+    if isinstance(model, fx.GraphModule):
+        return model
+    tracer = _LocatingTracer()
+    had = set(model.__dict__)
+    buffers = {name: (b, b.detach().clone()) for name, b in model.named_buffers()}
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # torch.fx raises many types; all mean "not traceable"
+        where = tracer.fxplan_path[-1] if tracer.fxplan_path else type(model).__name__
+        raise TraceError(
+            f"stopped inside module '{where}' ({type(exc).__name__}: {_first_line(exc)}); typical causes are "
+            "Python control flow on tensor values or shapes, or a forward(**kwargs) signature"
+        ) from exc
+    finally:
+        # The tracer stores tensor constants (``_tensor_constant0``) on the model it traces: move them off.
+        constants = {k: model.__dict__.pop(k) for k in set(model.__dict__) - had}
+        changed = _restore(buffers)
+    if changed:
+        raise TraceError(
+            f"tracing ran in-place updates of buffers {changed[:3]} in Python (e.g. a BatchNorm subclass "
+            "counting batches), so the graph would miss them"
+        )
+    return owning_graph_module(model, graph, constants)
+
+
+def _restore(buffers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
+    """Put back every buffer whose value changed; return their names."""
+    changed = []
+    with torch.no_grad():
+        for name, (buf, saved) in buffers.items():
+            if not torch.equal(buf, saved):
+                buf.copy_(saved)
+                changed.append(name)
+    return changed
+
+
+class _LocatingTracer(fx.Tracer):
+    """A tracer that remembers the module path it is inside, to name it when tracing fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.fxplan_path: list[str] = []
+
+    def call_module(self, m, forward, args, kwargs):
+        self.fxplan_path.append(self.path_of_module(m) or type(m).__name__)
+        out = super().call_module(m, forward, args, kwargs)
+        self.fxplan_path.pop()
+        return out
+
+
+def _check_arguments(model: torch.nn.Module, gm: fx.GraphModule, call: ExampleCall) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [str(n.target).lstrip("*") for n in placeholders]
+    if any(str(n.target).startswith("*") for n in placeholders):
+        raise TraceError("forward takes *args or **kwargs, which symbolic_trace cannot represent")
+    sig = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    try:
+        bound = sig.bind_partial(*call.args, **call.kwargs)
+    except TypeError as exc:
+        raise TraceError(f"{type(model).__name__}.forward({', '.join(names)}) cannot take the example "
+                         f"inputs: {exc}") from exc
+    required = [n for n, p in zip(names, placeholders) if not p.args]
+    missing = [n for n in required if n not in bound.arguments]
+    if missing:
+        raise TraceError(f"{type(model).__name__}.forward({', '.join(names)}) needs {missing} in the example "
+                         "inputs")
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.export
+
+
+def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
+    """Capture with non-strict ``torch.export`` on a fake copy of ``model`` (nothing real runs or changes)."""
+    from fxplan.measure import fake_copy, fake_mode_of, to_fake
+
+    interface = CallInterface(model, call, flat=True)
+    args, kwargs = interface.normalize(call.args, call.kwargs)
+    fake_mode = fake_mode_of(model, (args, kwargs))
+    fake_model = fake_copy(model, fake_mode)
+    fake_args, fake_kwargs = to_fake((args, kwargs), fake_mode)
+    try:
+        ep = _export(fake_model, fake_args, fake_kwargs)
+    except _UnsupportedOutput as exc:
+        if "use_cache" not in kwargs:
+            raise TraceError(f"the output holds a {exc.type_name}, which fxplan cannot rebuild from a graph; "
+                             "return tensors (or dicts, tuples and dataclasses of them)") from exc.__cause__
+        # A key/value cache is an inference object; Hugging Face's own gradient checkpointing also turns it
+        # off in training. The planned call runs with use_cache=False.
+        logger.warning("fxplan: %s returns a %s, which a graph cannot rebuild; planned training calls run "
+                       "with use_cache=False (as Hugging Face's gradient checkpointing does)",
+                       type(model).__name__, exc.type_name)
+        interface = CallInterface(model, call, flat=True, injected={"use_cache": False})
+        args, kwargs = interface.normalize(call.args, call.kwargs)
+        fake_args, fake_kwargs = to_fake((args, kwargs), fake_mode)
+        ep = _export(fake_model, fake_args, fake_kwargs)
+    exported = ep.module()
+    graph = exported.graph
+    interface.out_spec = graph._codegen.pytree_info.out_spec
+    graph._codegen = fx.graph.CodeGen()
+    _drop_checks(graph)
+    state = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    state |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    constants = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and str(node.target) not in state:
+            atom = str(node.target).split(".")[0]
+            constants[atom] = getattr(exported, atom)
+    graph.eliminate_dead_code()
+    graph.lint()
+    return Captured(owning_graph_module(model, graph, constants), "torch.export", interface)
+
+
+class _UnsupportedOutput(Exception):
+    def __init__(self, type_name: str):
+        super().__init__(type_name)
+        self.type_name = type_name
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
+    try:
+        return torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:  # export raises many types; all mean "not capturable"
+        message = str(exc)
+        if "in output, which is not a known type" in message:
+            type_name = message.split("<class '")[1].split("'>")[0].rsplit(".", 1)[-1] if "<class '" in message \
+                else "object"
+            raise _UnsupportedOutput(type_name) from exc
+        raise TraceError(
+            f"{type(exc).__name__}: {_first_line(exc)}{_user_frame(exc)}. If this is data-dependent control "
+            "flow, write it with torch.cond or on values known before the call; if it is an op torch.export "
+            "does not know, wrap it as a custom op (torch.library.custom_op)"
+        ) from exc
+
+
+def _drop_checks(graph: fx.Graph) -> None:
+    """Remove export's guard module call and shape assertions: the interface checks calls itself."""
+    for node in list(graph.nodes):
+        name = getattr(node.target, "__name__", str(node.target))
+        is_guard = node.op == "call_module" and str(node.target) == "_guards_fn"
+        is_assert = node.op == "call_function" and name.split(".")[0] in _ASSERTIONS
+        if (is_guard or is_assert) and not node.users:
+            graph.erase_node(node)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def _user_frame(exc: BaseException) -> str:
+    """`` at file:line (code)`` for the innermost frame outside torch, or ''."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None:
+        frames += traceback.extract_tb(cause.__traceback__)
+        cause = cause.__cause__ or cause.__context__
+    outside = [f for f in frames if "/torch/" not in f.filename and "/fxplan/" not in f.filename]
+    if not outside:
+        return ""
+    f = outside[-1]
+    return f" (at {f.filename}:{f.lineno}: {f.line})"
+
+
+# ----------------------------------------------------------------------------------------------
+# the owning GraphModule
+
+
+def owning_graph_module(model: torch.nn.Module, graph: fx.Graph, constants: dict[str, Any] | None = None,
+                        class_name: str | None = None) -> fx.GraphModule:
+    """A GraphModule running ``graph`` that owns all of ``model``'s state, the very same objects.
+
+    ``constants`` (tensors and submodules the capture made up) become non-persistent buffers and plain
+    attributes, so ``state_dict`` keys are exactly the model's.
+    """
+    constants = dict(constants or {})
+    holder = torch.nn.Module()
+    holder.__dict__.update(constants)
+    holder.__dict__["_modules"] = model._modules
+    holder.__dict__["_parameters"] = model._parameters
+    holder.__dict__["_buffers"] = model._buffers
+    gm = fx.GraphModule(holder, graph, class_name or type(model).__name__)
+    gm.training = model.training
+    gm.__dict__["_modules"] = dict(model._modules)
+    gm.__dict__["_parameters"] = dict(model._parameters)
+    gm.__dict__["_buffers"] = dict(model._buffers)
+    gm.__dict__["_non_persistent_buffers_set"] = set(model._non_persistent_buffers_set)
+    for name, value in constants.items():
+        gm.__dict__.pop(name, None)
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            gm.register_buffer(name, value, persistent=False)
+        elif isinstance(value, torch.nn.Module):
+            gm.__dict__[name] = value  # a stateless graph body (e.g. a no_grad region): not a submodule
+        else:
+            gm.__dict__[name] = value
+    return gm
