@@ -283,7 +283,10 @@ def ordering_edges(gm: fx.GraphModule) -> list[tuple[str, str]]:
 
     * consecutive random ops: ``(r_i, r_{i+1})``, so random draws keep their order;
     * an in-place op ``n`` and every later reader of a value it overwrote: ``(n, r)``, so readers
-      that expect the overwritten value stay after it.
+      that expect the overwritten value stay after it;
+    * consecutive readers of a value read by three or more nodes: backward sums their gradient
+      contributions in the reverse of the order they ran in, and a sum of three or more floats
+      depends on its order, so keeping them in order keeps gradients bitwise equal.
 
     A planner that adds these edges to its cost graph (as order-only edges: they carry no value, so
     memory formulas should ignore them) never produces a plan that
@@ -298,6 +301,10 @@ def ordering_edges(gm: fx.GraphModule) -> list[tuple[str, str]]:
     edges: list[tuple[str, str]] = []
     randoms = [n for n in nodes if is_compute(n) and is_random(n, gm)]
     edges += [(a.name, b.name) for a, b in zip(randoms, randoms[1:])]
+    for n in nodes:
+        readers = sorted((r for r in n.users if is_compute(r)), key=pos.__getitem__)
+        if len(readers) >= 3:
+            edges += [(a.name, b.name) for a, b in zip(readers, readers[1:])]
     for n in nodes:
         if not is_compute(n):
             continue
