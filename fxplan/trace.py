@@ -26,6 +26,7 @@ user's model (parameters, BatchNorm statistics) untouched.
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
@@ -36,11 +37,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxplan.capture import Captured, as_call, capture, symbolic_trace_module
+from fxplan.capture import Captured, ExampleCall, as_call, capture, export_module, symbolic_trace_module
 from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges, written_arguments
 from fxplan.errors import TraceError
 from fxplan.measure import fake_copy, fake_mode_of, to_fake
+
+logger = logging.getLogger("fxplan")
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -78,19 +81,43 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "flo
         raise ValueError(f"cost_model must be 'flops' or 'paper', got {cost_model!r}")
     call = as_call(example_inputs)
     captured = captured or capture(model, call)
+    try:
+        propagator = _propagate(model, captured, call)
+    except TraceError as error:
+        if captured.method != "symbolic_trace":
+            raise
+        # symbolic_trace can give a graph that does not run (a shape frozen into an assertion): try export.
+        logger.info("fxplan: the symbolic_trace graph does not run (%s); capturing with torch.export", error)
+        try:
+            captured = export_module(model, call)
+        except TraceError as export_error:
+            raise TraceError(f"fxplan could not capture {type(model).__name__}.\n- torch.fx.symbolic_trace: "
+                             f"{error}\n- torch.export (non-strict): {export_error}") from export_error
+        propagator = _propagate(model, captured, call)
     gm = captured.gm
-    args, kwargs = captured.interface.graph_inputs(call.args, call.kwargs)
-    values = _placeholder_values(gm, args, kwargs, type(model).__name__)
-    fake_mode = fake_mode_of(model, (call.args, call.kwargs))
-    propagator = _CostPropagator(fake_copy(gm, fake_mode), fake_mode)
-    with fake_mode, torch.enable_grad():
-        propagator.run(*to_fake(values, fake_mode))
     for node in gm.graph.nodes:
         if node.name in propagator.records:
             node.meta["fxplan_mutates"] = propagator.records[node.name].mutates
     cg = _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
     cg.graph["captured"] = captured
     return cg
+
+
+def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) -> _CostPropagator:
+    gm = captured.gm
+    args, kwargs = captured.interface.graph_inputs(call.args, call.kwargs)
+    values = _placeholder_values(gm, args, kwargs, type(model).__name__)
+    fake_mode = fake_mode_of(model, (call.args, call.kwargs))
+    propagator = _CostPropagator(fake_copy(gm, fake_mode), fake_mode)
+    try:
+        with fake_mode, torch.enable_grad():
+            propagator.run(*to_fake(values, fake_mode))
+    except Exception as exc:  # anything the model's own code raises on these inputs
+        node = propagator.current
+        raise TraceError(f"running the captured graph on the example inputs failed at node '{node}' "
+                         f"({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}); check the example "
+                         "inputs' shapes and dtypes against what the model expects") from exc
+    return propagator
 
 
 def _placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict[str, Any], name: str) -> list[Any]:
@@ -150,6 +177,7 @@ class _CostPropagator(torch.fx.Interpreter):
         # address freed early would be reused by a later node and confuse who saved what.
         super().__init__(gm, garbage_collect_values=False)
         self.records: dict[str, _NodeRecord] = {}
+        self.current = ""
         self.param_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
         self.input_bytes = 0
         self.resident_keys = {t.untyped_storage()._cdata for t in [*gm.parameters(), *gm.buffers()]}
@@ -166,6 +194,7 @@ class _CostPropagator(torch.fx.Interpreter):
         return value
 
     def run_node(self, n: torch.fx.Node):
+        self.current = n.name
         if n.op not in COMPUTE_OPS:
             return super().run_node(n)
         record = _NodeRecord()

@@ -1,0 +1,215 @@
+"""Reach: models beyond symbolic_trace and beyond torch.nn's own modules, rewritten exactly.
+
+Hugging Face transformers (captured by torch.export), timm models (BatchNorm subclasses, drop-path,
+shape assertions) and hand-written modules that update their own buffers: each is rewritten at the
+smallest budget fxplan reaches and halfway to the vanilla peak, and checked by
+:func:`reach_checks.assert_rewrite_exact` (bitwise outputs, gradients and buffers in train mode, outputs
+in eval mode, the original's state_dict keys and output type, the user's model untouched, the measured
+peak within the budget). Configs are tiny so that each model takes seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reach_checks import assert_rewrite_exact, loss_of, middle_budget_gb
+
+import fxplan
+from fxplan.capture import capture
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 96
+
+
+def _tokens(*shape: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def hf_model(family: str, attn: str) -> tuple[nn.Module, dict]:
+    """A tiny random-init model of ``family`` and keyword inputs with labels (so it returns a loss)."""
+    tf = transformers
+    torch.manual_seed(0)
+    small = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    if family == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                                 attn_implementation=attn))
+        return model, {"input_ids": _tokens(2, 12), "labels": _tokens(2, 12)}
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**small, num_key_value_heads=2, vocab_size=VOCAB,
+                                                   attn_implementation=attn))
+        return model, {"input_ids": _tokens(2, 12), "labels": _tokens(2, 12)}
+    if family == "bert":
+        model = tf.BertForMaskedLM(tf.BertConfig(**small, vocab_size=VOCAB, attn_implementation=attn))
+        return model, {"input_ids": _tokens(2, 12), "attention_mask": torch.ones(2, 12, dtype=torch.long),
+                       "labels": _tokens(2, 12)}
+    if family == "t5":
+        model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8,
+                                                          vocab_size=VOCAB, attn_implementation=attn))
+        return model, {"input_ids": _tokens(2, 10), "decoder_input_ids": _tokens(2, 6), "labels": _tokens(2, 6)}
+    if family == "vit":
+        model = tf.ViTForImageClassification(tf.ViTConfig(**small, image_size=16, patch_size=8, num_labels=5,
+                                                          attn_implementation=attn))
+        return model, {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.tensor([1, 3])}
+    raise ValueError(family)
+
+
+class LogitsOnly(nn.Module):
+    """The wrapping users write: ``forward(input_ids)`` returns the logits tensor."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids):
+        return self.inner(input_ids=input_ids).logits
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5", "vit"])
+def test_transformers_rewritten_exactly_at_two_budgets(family, attn):
+    model, inputs = hf_model(family, attn)
+    smallest, middle = middle_budget_gb(model, inputs)
+    opt = assert_rewrite_exact(model, inputs, None)
+    assert len(opt.fxplan_segments) > 1
+    assert_rewrite_exact(model, inputs, middle)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_transformers_wrapped_positional(family):
+    model, inputs = hf_model(family, "sdpa")
+    wrapped = LogitsOnly(model)
+    ids = (inputs["input_ids"],)
+    _, middle = middle_budget_gb(wrapped, ids)
+    assert_rewrite_exact(wrapped, ids, middle)
+
+
+TIMM = ["resnext26ts", "efficientnet_b0", "regnety_002", "cspdarknet53", "densenet121", "mobilevit_xxs",
+        "tf_efficientnet_b0", "dla34"]
+
+
+@pytest.mark.parametrize("name", TIMM)
+def test_timm_rewritten_exactly_at_two_budgets(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=5, drop_rate=0.1,
+                              **({"drop_path_rate": 0.1} if name != "mobilevit_xxs" else {}))
+    x = (torch.randn(2, 3, 64, 64),)
+    _, middle = middle_budget_gb(model, x)
+    assert_rewrite_exact(model, x, None)
+    assert_rewrite_exact(model, x, middle)
+
+
+# ----------------------------------------------------------------------------------------------
+# state, modes and interfaces, on hand-written modules
+
+
+class MyBN(nn.BatchNorm2d):
+    """A BatchNorm subclass: symbolic_trace traces into it (it is not a torch.nn leaf)."""
+
+
+class RunningStats(nn.Module):
+    """A user module keeping its own statistics in registered buffers, updated in place in training."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(channels))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.full((channels,), 2.0), persistent=False)
+
+    def forward(self, x):
+        if self.training:
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean((0, 2, 3)))
+            self.steps.add_(1)
+        return x * self.scale[:, None, None] - self.mean[:, None, None]
+
+
+class HeadDropout(nn.Module):
+    """Dropout outside torch.nn, whose flag symbolic_trace would freeze."""
+
+    def forward(self, x):
+        return F.dropout(x, 0.5, training=self.training)
+
+
+class StatefulNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = MyBN(8)
+        self.stats = RunningStats(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = MyBN(8)
+        self.conv3 = nn.Conv2d(8, 8, 3, padding=1)
+        self.drop = HeadDropout()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, *, scale: float = 1.0):
+        x = torch.relu(self.stats(self.bn1(self.conv1(x))))
+        x = torch.relu(self.bn2(self.conv2(x))) * scale
+        x = torch.relu(self.conv3(x))
+        return {"logits": self.fc(self.drop(x.mean((2, 3)))), "features": x}
+
+
+def test_buffers_updated_once_whatever_the_module_class():
+    model = StatefulNet()
+    x = (torch.randn(4, 3, 16, 16),)
+    smallest, middle = middle_budget_gb(model, x)
+    opt = assert_rewrite_exact(model, x, None)
+    assert len(opt.fxplan_segments) > 2
+    assert_rewrite_exact(model, x, middle)
+
+
+def test_keyword_inputs_and_other_calls_run_the_original():
+    model = StatefulNet()
+    x = torch.randn(4, 3, 16, 16)
+    opt = fxplan.rewrite(model, None, example_inputs={"x": x, "scale": 0.5}, loss_fn=loss_of)
+    ref = StatefulNet()
+    ref.load_state_dict(model.state_dict())
+    for inputs in ({"x": x, "scale": 0.5}, {"x": x[:2], "scale": 0.5}, {"x": x}):
+        torch.manual_seed(0)
+        a = ref(**inputs)
+        torch.manual_seed(0)
+        b = opt(**inputs)
+        assert torch.equal(a["logits"], b["logits"])
+
+
+def test_planning_on_fake_inputs_with_a_loss_that_uses_real_labels():
+    model = StatefulNet()
+    labels = torch.tensor([0, 1, 2, 3])
+    x = torch.randn(4, 3, 16, 16)
+    opt = fxplan.rewrite(model, None, example_inputs=(x,), loss_fn=lambda out: F.cross_entropy(out["logits"], labels))
+    assert opt.fxplan_measured_peak_bytes > 0
+
+
+def test_export_capture_keeps_names_and_non_persistent_buffers():
+    model = StatefulNet()
+    captured = capture(model, {"x": torch.randn(2, 3, 8, 8)})
+    assert captured.method == "torch.export"  # symbolic_trace cannot take the keyword-only argument's branch
+    assert list(captured.gm.state_dict()) == list(model.state_dict())
+    assert captured.gm.stats.scale is model.stats.scale
+
+
+def test_swin_relative_position_buffers_stay_non_persistent():
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, num_classes=3, img_size=32,
+                              window_size=2, embed_dim=16, depths=(1, 1), num_heads=(1, 2))
+    opt = assert_rewrite_exact(model, (torch.randn(1, 3, 32, 32),), None)
+    opt.load_state_dict(model.state_dict())  # loads in both directions
+    model.load_state_dict(opt.state_dict())
+
+
+def test_model_no_capturer_takes_names_the_construct():
+    class Gate(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:
+                return x.relu()
+            return -x
+
+    with pytest.raises(fxplan.TraceError) as info:
+        fxplan.rewrite(Gate(), None, example_inputs=(torch.randn(3),))
+    message = str(info.value)
+    assert "symbolic_trace" in message and "torch.export" in message and "test_reach.py" in message
