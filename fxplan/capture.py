@@ -85,15 +85,12 @@ class CallInterface:
     ``flat=False`` (symbolic_trace): the graph takes the model's own arguments and returns its own output.
     ``flat=True`` (export): the graph takes the pytree leaves of the call, normalised against the
     ``forward`` signature, and returns the leaves of the output, rebuilt with ``out_spec``.
-    ``injected`` are keyword arguments fxplan adds to every planned call (``use_cache=False``).
     """
 
-    def __init__(self, model: torch.nn.Module, call: ExampleCall, *, flat: bool,
-                 injected: dict[str, Any] | None = None):
+    def __init__(self, model: torch.nn.Module, call: ExampleCall, *, flat: bool):
         self.signature = _signature(model)
         self.modes = module_modes(model)
         self.flat = flat
-        self.injected = dict(injected or {})
         self.out_spec: pytree.TreeSpec | None = None
         self.in_spec: pytree.TreeSpec | None = None
         self.leaf_keys: tuple | None = None
@@ -103,7 +100,6 @@ class CallInterface:
 
     def normalize(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """The call as export sees it: positional-only arguments as ``args``, every other one by name."""
-        kwargs = {**kwargs, **{k: v for k, v in self.injected.items() if k not in kwargs}}
         if self.signature is None:
             return tuple(args), dict(kwargs)
         bound = self.signature.bind(*args, **kwargs)
@@ -186,6 +182,7 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"fxplan captures nn.Module objects, got {type(model).__name__}")
     call = as_call(example_inputs)
+    _check_call(model, call)
     try:
         gm = symbolic_trace_module(model)
         _check_arguments(model, gm, call)
@@ -260,6 +257,22 @@ class _LocatingTracer(fx.Tracer):
         return out
 
 
+def _check_call(model: torch.nn.Module, call: ExampleCall) -> None:
+    """A TraceError, before any capture, when the example inputs do not fit ``model.forward``."""
+    sig = _signature(model)
+    if sig is None:
+        return
+    try:
+        sig.bind(*call.args, **call.kwargs)
+    except TypeError as exc:
+        params = [p for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        required = [p for p in params if p.default is p.empty]
+        count = f"{len(params)}" if len(required) == len(params) else f"{len(required)} to {len(params)}"
+        names = ", ".join(p.name for p in params)
+        raise TraceError(f"{type(model).__name__}.forward takes {count} inputs ({names}), got "
+                         f"{len(call.args)} positional and {len(call.kwargs)} keyword example inputs: {exc}") from exc
+
+
 def _check_arguments(model: torch.nn.Module, gm: fx.GraphModule, call: ExampleCall) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [str(n.target).lstrip("*") for n in placeholders]
@@ -294,33 +307,55 @@ def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
     try:
         ep = _export(fake_model, fake_args, fake_kwargs)
     except _UnsupportedOutput as exc:
-        if "use_cache" not in kwargs:
-            raise TraceError(f"the output holds a {exc.type_name}, which fxplan cannot rebuild from a graph; "
-                             "return tensors (or dicts, tuples and dataclasses of them)") from exc.__cause__
-        # A key/value cache is an inference object; Hugging Face's own gradient checkpointing also turns it
-        # off in training. The planned call runs with use_cache=False.
-        logger.warning("fxplan: %s returns a %s, which a graph cannot rebuild; planned training calls run "
-                       "with use_cache=False (as Hugging Face's gradient checkpointing does)",
-                       type(model).__name__, exc.type_name)
-        interface = CallInterface(model, call, flat=True, injected={"use_cache": False})
-        args, kwargs = interface.normalize(call.args, call.kwargs)
-        fake_args, fake_kwargs = to_fake((args, kwargs), fake_mode)
+        # A key/value cache is an inference object a graph cannot return; Hugging Face's own gradient
+        # checkpointing turns it off in training. The graph computes exactly what the call computes
+        # (the cache is filled and dropped), and its output leaves the object out.
+        logger.warning("fxplan: the output of %s holds a %s, which a graph cannot return; planned training "
+                       "calls return the output without it", type(model).__name__, exc.type_name)
+        original_forward = fake_model.forward
+        fake_model.forward = lambda *a, **k: _without_objects(original_forward(*a, **k))
         ep = _export(fake_model, fake_args, fake_kwargs)
     exported = ep.module()
     graph = exported.graph
     interface.out_spec = graph._codegen.pytree_info.out_spec
     graph._codegen = fx.graph.CodeGen()
     _drop_checks(graph)
+    graph.eliminate_dead_code()
     state = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     state |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    constants = {}
+    constants: dict[str, Any] = {}
     for node in graph.nodes:
         if node.op == "get_attr" and str(node.target) not in state:
-            atom = str(node.target).split(".")[0]
-            constants[atom] = getattr(exported, atom)
-    graph.eliminate_dead_code()
-    graph.lint()
-    return Captured(owning_graph_module(model, graph, constants), "torch.export", interface)
+            # Constants export made up (lifted tensors, no_grad region bodies) live at the root under
+            # names of their own, wherever export put them.
+            name = f"_fxplan_constant_{len(constants)}"
+            constants[name] = _resolve(exported, str(node.target))
+            node.target = name
+    gm = owning_graph_module(model, graph, constants)
+    gm.graph.lint()
+    return Captured(gm, "torch.export", interface)
+
+
+def _without_objects(value: Any) -> Any:
+    """``value`` with every leaf that is neither a tensor nor a plain constant left out (mappings such as
+    Hugging Face's ModelOutput drop the key; sequences hold None in its place)."""
+    if isinstance(value, torch.Tensor) or isinstance(value, (int, float, bool, str, type(None))):
+        return value
+    if type(value) not in pytree.SUPPORTED_NODES:
+        return None
+    if isinstance(value, dict):
+        kept = {k: _without_objects(v) for k, v in value.items()}
+        return type(value)(**{k: v for k, v in kept.items() if v is not None or value[k] is None})
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        return type(value)(_without_objects(v) for v in value)
+    return value
+
+
+def _resolve(root: torch.nn.Module, target: str) -> Any:
+    value: Any = root
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
 
 
 class _UnsupportedOutput(Exception):

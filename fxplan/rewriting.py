@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fxplan.capture import ExampleCall, capture
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
@@ -28,7 +29,6 @@ from fxplan.planning import (
     solve_graph,
 )
 from fxplan.plans import Plan
-from fxplan.capture import ExampleCall, capture
 from fxplan.trace import trace, trace_module
 
 logger = logging.getLogger("fxplan")

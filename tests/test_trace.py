@@ -87,10 +87,12 @@ def test_tracing_leaves_the_model_untouched_and_accepts_fake_inputs():
         assert torch.equal(v, before[k]), k
 
 
-def test_untraceable_model_raises_trace_error_naming_the_module():
+def test_uncapturable_model_raises_trace_error_naming_module_and_line():
     with pytest.raises(TraceError, match="inner") as info:
         trace(DataDependent(), (torch.randn(3),))
-    assert "leaf" in str(info.value)
+    message = str(info.value)
+    assert "test_trace.py:" in message and "if x.sum() > 0" in message  # where, for torch.export
+    assert "torch.cond" in message  # what to do
     assert isinstance(info.value, fxplan.FxplanError)
 
 
