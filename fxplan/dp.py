@@ -42,11 +42,11 @@ import numpy as np
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.family import Family
-from fxplan.lowersets import GraphIndex, enumerate_lower_sets, iter_bits, pruned_lower_sets
+from fxplan.lowersets import GraphIndex, enumerate_lower_sets, iter_bits
 from fxplan.memory_model import BoundModel, evaluate_chain, get_model
 from fxplan.plans import Plan, _fmt_bytes
 
-FAMILY_LIMIT = 1500
+FAMILY_LIMIT = 20_000
 """Exact DP uses the family engine up to this many lower sets, the search engine above."""
 
 COARSE_SETS = 256
@@ -101,9 +101,9 @@ class Context:
                     sets = enumerate_lower_sets(self.ix, limit=max_sets)
                 except FxplanError:
                     sets = None
+                self.families[key] = None if sets is None else Family(self.ix, sets)
             else:
-                sets = pruned_lower_sets(self.ix)
-            self.families[key] = None if sets is None else Family(self.ix, sets)
+                self.families[key] = Family.pruned(self.ix)
         return self.families[key]
 
 
@@ -211,7 +211,7 @@ def _family_dp(fam: Family, sub: np.ndarray, mv: _Moves, objective: str, budget:
     can be neither optimal nor dominate one that can (a dominating state could follow the same completion),
     so the result is the same plan: ``bound`` ("time") drops states whose overhead exceeds it (overheads
     never decrease along a plan), ``psi`` (:func:`_bottleneck`) states that no completion fits in the budget.
-    Returns L_1..L_k (bitsets) or None.
+    Returns the family indices of L_1..L_k, or None.
     """
     maximize = objective == "memory"
     lim = None if bound is None else bound + _EPS + 1e-9 * abs(bound)
@@ -272,7 +272,7 @@ def _family_dp(fam: Family, sub: np.ndarray, mv: _Moves, objective: str, budget:
     s = lo + _best(a[lo:lo + fl[last]], m[lo:lo + fl[last]], maximize)
     chain = []
     while s > 0:
-        chain.append(fam.sets[own[s]])
+        chain.append(int(own[s]))
         s = par[s]
     return chain[::-1]
 
@@ -283,6 +283,15 @@ def _levels(S: int) -> list[np.ndarray]:
     while S // steps[-1] > COARSE_SETS:
         steps.append(steps[-1] * 8)
     return [np.unique(np.concatenate([np.arange(0, S, step), [S - 1]])) for step in reversed(steps)]
+
+
+def _chain_costs(ctx: Context, fam: Family, chain: list[int]) -> tuple[int, float, list[int]]:
+    """(peak, overhead, peak of each segment) of a plan given as family indices, as :func:`evaluate_chain`."""
+    pj = np.array(chain, dtype=np.int64)
+    pi = np.r_[0, pj[:-1]]
+    F, G, H = ctx.bm.pair_costs(fam, pi, pj)
+    seg = [int(round(x)) for x in (np.cumsum(G) - G + F).tolist()]
+    return max(seg), float(sum(H.tolist())), seg
 
 
 def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
@@ -299,8 +308,8 @@ def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
         chain, k = [], int(sub[0])
         while k != sub[-1]:
             k = int(nxt[k])
-            chain.append(fam.sets[k])
-        cap = min(cap, evaluate_chain(ctx.bm, chain)[0])
+            chain.append(k)
+        cap = min(cap, _chain_costs(ctx, fam, chain)[0])
     return chain
 
 
@@ -333,7 +342,7 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None)
         if found is not None:
             chain = found
             if objective == "time":
-                bound = min(bound, evaluate_chain(ctx.bm, chain)[1])
+                bound = min(bound, _chain_costs(ctx, fam, chain)[1])
     return chain
 
 
@@ -450,11 +459,14 @@ def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit:
 
 # ------------------------------------------------------------------------------------------ plans
 def plan_from_chain(ix: GraphIndex, bm: BoundModel, chain: list[int], *, budget: int | None, strategy: str,
-                    solver: str, seconds: float) -> Plan:
-    """Build a :class:`Plan` from lower sets L_1 ≺ … ≺ L_k = V (bitsets), evaluated under ``bm``."""
+                    solver: str, seconds: float, costs: tuple[int, float, list[int]] | None = None) -> Plan:
+    """Build a :class:`Plan` from lower sets L_1 ≺ … ≺ L_k = V (bitsets), evaluated under ``bm``.
+
+    ``costs``: (peak, overhead, segment peaks) when already known (they must be what ``bm`` gives).
+    """
     if not chain or chain[-1] != ix.full:
         raise FxplanError("a plan's last lower set must be V")
-    peak, over, seg_peaks, _ = evaluate_chain(bm, chain)
+    peak, over, seg_peaks = evaluate_chain(bm, chain)[:3] if costs is None else costs
     segments, lowers, bounds, seg_T = [], [], [], []
     prev, kept_all, bd = 0, 0, 0
     for Lp in chain:
@@ -486,34 +498,42 @@ def plan_from_chain(ix: GraphIndex, bm: BoundModel, chain: list[int], *, budget:
     )
 
 
+Solution = tuple[list[int], tuple[int, float, list[int]]]
+
+
 def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine: str,
-         time_limit: float | None, max_states: int | None) -> list[int] | None:
-    """One DP run: the family engine (approximate, or exact on small lattices), else the search engine."""
+         time_limit: float | None, max_states: int | None) -> Solution | None:
+    """One DP run: the family engine (approximate, or exact on small lattices), else the search engine.
+
+    Returns the plan (bitsets L_1..L_k) with its (peak, overhead, segment peaks), or None.
+    """
     if engine not in ("auto", "family", "search"):
         raise FxplanError(f"engine must be 'auto', 'family' or 'search', not {engine!r}")
+    fam = None
     if not exact:
-        return _family_run(ctx, ctx.family(False), objective, budget)
-    if engine != "search":
-        limit = FAMILY_LIMIT if engine == "auto" else max_states
-        fam = ctx.family(True, limit)
-        if fam is not None:
-            return _family_run(ctx, fam, objective, budget)
-        if engine == "family":
-            raise _too_big("lower sets", max_states)
-        ctx.families.pop("exact")  # too big for this limit; another call may allow more
+        fam = ctx.family(False)
+    elif engine != "search":
+        fam = ctx.family(True, FAMILY_LIMIT if engine == "auto" else max_states)
+        if fam is None:
+            if engine == "family":
+                raise _too_big("lower sets", max_states)
+            ctx.families.pop("exact")  # too big for this limit; another call may allow more
+    if fam is not None:
+        found = _family_run(ctx, fam, objective, budget)
+        return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
     if objective == "peak" and budget is None:
         # bound the search by what the approximate DP achieves; the exact optimum is no larger
-        approx = _family_run(ctx, ctx.family(False), "peak", None)
-        budget = evaluate_chain(ctx.bm, approx)[0]
-    return _search_dp(ctx.bm, objective, budget, time_limit, max_states)
+        budget = _run(ctx, "peak", None, False, engine, time_limit, max_states)[1][0]
+    found = _search_dp(ctx.bm, objective, budget, time_limit, max_states)
+    return None if found is None else (found, evaluate_chain(ctx.bm, found)[:3])
 
 
 def _smallest_budget(ctx: Context, exact: bool, engine: str, time_limit: float | None,
                      max_states: int | None) -> int:
-    chain = _run(ctx, "peak", None, exact, engine, time_limit, max_states)
-    if chain is None:  # cannot happen: the single segment V is always a plan
+    found = _run(ctx, "peak", None, exact, engine, time_limit, max_states)
+    if found is None:  # cannot happen: the single segment V is always a plan
         raise FxplanError("no plan found")
-    return int(math.ceil(evaluate_chain(ctx.bm, chain)[0] - _EPS))
+    return int(math.ceil(found[1][0] - _EPS))
 
 
 def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, engine: str = "auto",
@@ -566,10 +586,10 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
         b_star = _smallest_budget(ctx, *limits)
         if budget_bytes is not None and budget_bytes < b_star:
             raise fail(b_star)
-        chain = _run(ctx, "memory", b_star, *limits)
+        found = _run(ctx, "memory", b_star, *limits)
     else:
-        chain = _run(ctx, "time", budget_bytes, *limits)
-        if chain is None:
+        found = _run(ctx, "time", budget_bytes, *limits)
+        if found is None:
             raise fail(_smallest_budget(ctx, *limits))
-    return plan_from_chain(ix, bm, chain, budget=budget_bytes, strategy=strategy, solver=solver,
-                           seconds=time.perf_counter() - t0)
+    return plan_from_chain(ix, bm, found[0], budget=budget_bytes, strategy=strategy, solver=solver,
+                           seconds=time.perf_counter() - t0, costs=found[1])

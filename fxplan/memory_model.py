@@ -123,10 +123,12 @@ class _BoundPaper(BoundModel):
         if key not in fam.cache:
             # per set X: M(X), T(X), M(∂X), T(∂X) and M(δ⁺(X) \ X) + M(δ⁻(δ⁺(X)) \ X)
             P = np.zeros(fam.S)
+            ptr, node = fam.bd_ptr.tolist(), fam.bd_node.tolist()
             for k, X in enumerate(fam.sets):
-                dplus = 0
-                for w in fam.oe_w[fam.oe_ptr[k]:fam.oe_ptr[k + 1]].tolist():
-                    dplus |= 1 << w
+                dplus = 0  # δ⁺(X) \ X: consumers of boundary members outside X
+                for u in node[ptr[k]:ptr[k + 1]]:
+                    dplus |= ix.dsucc[u]
+                dplus &= ~X
                 P[k] = ix.msum(dplus) + ix.msum(ix.delta_minus(dplus) & ~X)
             fam.cache[key] = (fam.sums(ix.M_np), fam.sums(ix.T_np), fam.boundary_sums(ix.M_np),
                               fam.boundary_sums(ix.T_np), P)
@@ -272,9 +274,9 @@ class _BoundAutograd(BoundModel):
         M = ix.M
         rstar: list[int] = []
         MR = np.zeros(fam.S)
-        saver_edge = np.zeros(len(fam.oe_w), dtype=bool)
-        ex_ptr, ex_node, oe_ptr = fam.ex_ptr.tolist(), fam.ex_node.tolist(), fam.oe_ptr.tolist()
-        oe_u, oe_w = fam.oe_u.tolist(), fam.oe_w.tolist()
+        in_rstar = np.zeros(len(fam.bd_node), dtype=bool)
+        ex_ptr, ex_node, bd_ptr = fam.ex_ptr.tolist(), fam.ex_node.tolist(), fam.bd_ptr.tolist()
+        bd_node = fam.bd_node.tolist()
         for k, b in enumerate(fam.base.tolist()):
             R, total = (rstar[b], MR[b]) if b >= 0 else (0, 0.0)
             new = 0
@@ -284,33 +286,27 @@ class _BoundAutograd(BoundModel):
             R |= new
             MR[k] = total + weighted_sum(new, M)
             rstar.append(R)
-            for e in range(oe_ptr[k], oe_ptr[k + 1]):
-                u = oe_u[e]
-                saver_edge[e] = not R >> u & 1 and self.si[oe_w[e]] >> u & 1
+            for e in range(bd_ptr[k], bd_ptr[k + 1]):
+                in_rstar[e] = R >> bd_node[e] & 1
+        n = ix.n
+        saver_pairs = np.array(sorted(u * n + w for w in range(n) for u in iter_bits(self.si[w])), dtype=np.int64)
         sx = np.array(self.sx, dtype=np.float64)
         terms = (fam.sums(ix.M_np), fam.sums(ix.T_np), fam.sums(sx), fam.boundary_sums(ix.M_np), MR,
-                 saver_edge, np.array(self.tau, dtype=np.float64))
+                 (saver_pairs, in_rstar), np.array(self.tau, dtype=np.float64))
         fam.cache[key] = terms
         return terms
 
     def pair_costs(self, fam, pi, pj):
         ix, c = self.ix, self.cfg
-        _, TA, SXA, MB, MRA, saver_edge, tau = self._family_terms(fam)
+        _, TA, SXA, MB, MRA, savers, tau = self._family_terms(fam)
         P = len(pi)
-        rep, flat, inside, starts = fam.out_edges(pi, pj)
-        M = ix.M_np
-        if len(rep):
-            pair, u = rep[starts], fam.oe_u[flat[starts]]
-            # u ∈ ∂(L) stays on ∂(L') if a consumer is outside L'; V' reads it if a consumer is inside L';
-            # it joins R if a member of V' saves it
-            stays = np.logical_or.reduceat(~inside, starts)
-            read = np.logical_or.reduceat(inside, starts)
-            saved = np.logical_or.reduceat(inside & saver_edge[flat], starts)
-            kept = np.bincount(pair, weights=M[u] * stays, minlength=P)
-            in_g = np.bincount(pair, weights=M[u] * read, minlength=P)
-            r_in = np.bincount(pair, weights=M[u] * saved, minlength=P)
-        else:
-            kept = in_g = r_in = np.zeros(P)
+        # u ∈ ∂(L) stays on ∂(L') if a consumer is outside L'; V' reads it if a consumer is inside L';
+        # it joins R if a member of V' saves it
+        pair, u, stays, read, saved = fam.boundary_runs(pi, pj, *savers)
+        Mu = ix.M_np[u]
+        kept = np.bincount(pair, weights=Mu * stays, minlength=P)
+        in_g = np.bincount(pair, weights=Mu * read, minlength=P)
+        r_in = np.bincount(pair, weights=Mu * saved, minlength=P)
         MR = MRA[pj] - (MRA[pi] + r_in)
         out_g = MB[pj] - kept
         SX = SXA[pj] - SXA[pi]
@@ -349,11 +345,7 @@ MODELS = {"paper": PaperModel, "autograd": AutogradModel}
 
 def _kept_boundary(fam, pi: np.ndarray, pj: np.ndarray, *weights: np.ndarray) -> list[np.ndarray]:
     """Σ w[u] over ∂(L') ∩ L = the members u of ∂(L) with a consumer outside L', per pair, per weight."""
-    rep, flat, inside, starts = fam.out_edges(pi, pj)
-    if not len(rep):
-        return [np.zeros(len(pi)) for _ in weights]
-    stays = np.logical_or.reduceat(~inside, starts)
-    pair, u = rep[starts], fam.oe_u[flat[starts]]
+    pair, u, stays, _, _ = fam.boundary_runs(pi, pj)
     return [np.bincount(pair, weights=w[u] * stays, minlength=len(pi)) for w in weights]
 
 

@@ -79,12 +79,16 @@ def check_plan(cg: CostGraph, plan, budget):
         assert plan.predicted_peak_bytes <= budget
 
 
-@settings(max_examples=60, deadline=None)
-@given(small_dags(max_nodes=8), st.sampled_from(MODELS), st.booleans())
-def test_pair_costs_agree_with_transition(cg, model, pruned):
+@settings(max_examples=80, deadline=None)
+@given(small_dags(max_nodes=9), st.sampled_from(MODELS), st.booleans(), st.booleans())
+def test_pair_costs_agree_with_transition(cg, model, pruned, dense):
+    """The vectorised move costs, on both ways of looking up consumers, equal the scalar model."""
     ix = GraphIndex.build(cg)
     bm = get_model(model).bind(ix)
-    fam = Family(ix, pruned_lower_sets(ix) if pruned else enumerate_lower_sets(ix))
+    fam = Family.pruned(ix) if pruned else Family(ix, enumerate_lower_sets(ix))
+    if pruned:
+        assert fam.sets == pruned_lower_sets(ix)
+    fam.dense_counts = dense
     pi, pj = fam.moves(np.zeros(fam.S), math.inf, np.arange(fam.S))
     expected = [(i, j) for i, L in enumerate(fam.sets) for j, Lp in enumerate(fam.sets) if Lp != L and Lp & L == L]
     assert list(zip(pi.tolist(), pj.tolist())) == sorted(expected, key=lambda p: (p[1], p[0])), "sorted by target"
