@@ -32,35 +32,38 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.lowersets import GraphIndex, enumerate_lower_sets, iter_bits, pruned_lower_sets
+from fxplan.family import Family
+from fxplan.lowersets import GraphIndex, enumerate_lower_sets, iter_bits
 from fxplan.memory_model import BoundModel, evaluate_chain, get_model
 from fxplan.plans import Plan, _fmt_bytes
 
-FAMILY_LIMIT = 1500
-"""Exact DP uses the vectorised family engine up to this many lower sets (pair matrices are #L² floats)."""
+FAMILY_LIMIT = 20_000
+"""Exact DP uses the family engine up to this many lower sets, the search engine above."""
+
+COARSE_SETS = 256
+"""The coarse-to-fine passes start from a sub-family of about this many sets (see :func:`_family_run`)."""
 
 _EPS = 1e-6
 
 DEFAULT_TIME_LIMIT = 600.0
 """Seconds after which the exact DP's search engine gives up (FxplanError) unless told otherwise."""
 
+DEFAULT_MAX_STATES = 4_000_000
+"""Lower sets plus DP states the exact DP may hold at once (about 1 GB); beyond it, an FxplanError."""
+
 
 # ------------------------------------------------------------------------------------------ fronts
-def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool, tol: float = 0.0) -> np.ndarray:
-    """Indices of the non-dominated (a, m) pairs: a minimised (maximised if ``maximize``), m minimised.
-
-    With ``tol`` > 0 a pair is also dropped when a kept pair has an objective as good and a cache at most
-    ``tol`` bytes larger (ε-dominance; see ``resolution`` in :func:`solve`).
-    """
-    if tol > 0:
-        m = np.floor(m / tol)  # compare caches in buckets of tol bytes
+def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool) -> np.ndarray:
+    """Indices of the non-dominated (a, m) pairs: a minimised (maximised if ``maximize``), m minimised."""
     # a stable sort on the objective alone: the candidates arrive as runs already sorted (one per source
     # front), which timsort exploits; among equal objectives a larger cache may survive, which is harmless
     order = np.argsort(-a if maximize else a, kind="stable")
@@ -68,7 +71,7 @@ def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool, tol: float = 0.0) -
     keep = np.ones(len(order), dtype=bool)
     if len(order) > 1:
         run = np.minimum.accumulate(ms)
-        keep[1:] = ms[1:] < run[:-1] - (0.5 if tol > 0 else _EPS)
+        keep[1:] = ms[1:] < run[:-1] - _EPS
     return order[keep]
 
 
@@ -77,86 +80,270 @@ def _best(a: np.ndarray, m: np.ndarray, maximize: bool) -> int:
     return int(order[0])
 
 
+# ------------------------------------------------------------------------------------------ planning context
+@dataclass
+class Context:
+    """What one cost graph and memory model give every DP run: the index, the bound model, the families
+    and the moves already priced. :func:`context` caches it per graph, so repeated solves on one graph
+    (``fxplan.rewrite`` plans several budgets) build it once."""
+
+    ix: GraphIndex
+    bm: BoundModel
+    families: dict = field(default_factory=dict)
+    moves: dict = field(default_factory=dict)
+
+    def family(self, exact: bool, max_sets: int | None = None) -> Family | None:
+        """The pruned family {L_v} (section 4.3), or all lower sets (None if more than ``max_sets``)."""
+        key = "exact" if exact else "pruned"
+        if key not in self.families:
+            if exact:
+                try:
+                    sets = enumerate_lower_sets(self.ix, limit=max_sets)
+                except FxplanError:
+                    sets = None
+                self.families[key] = None if sets is None else Family(self.ix, sets)
+            else:
+                self.families[key] = Family.pruned(self.ix)
+        return self.families[key]
+
+
+_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(cg: CostGraph) -> int:
+    attrs = ("T", "M", "saved", "saves_output", "saved_inputs")
+    nodes = tuple((v, *(repr(d.get(k)) for k in attrs)) for v, d in cg.nodes(data=True))
+    return hash((nodes, tuple(cg.edges(data="order_only", default=False))))
+
+
+def context(cg: CostGraph, memory_model=None) -> Context:
+    """The planning context of ``cg`` under ``memory_model``, reused while the graph is unchanged."""
+    model = get_model(memory_model)
+    try:
+        hash(model)
+    except TypeError:  # an unhashable custom model: no caching
+        ix = GraphIndex.build(cg)
+        return Context(ix, model.bind(ix))
+    key = _fingerprint(cg)
+    held = _CONTEXTS.get(cg)
+    if held is None or held[0] != key:
+        held = (key, GraphIndex.build(cg), {})
+        _CONTEXTS[cg] = held
+    if model not in held[2]:
+        held[2][model] = Context(held[1], model.bind(held[1]))
+    return held[2][model]
+
+
 # ------------------------------------------------------------------------------------------ family engine
-class _Family:
-    """A family of lower sets with the costs of every move between them (computed once, used by each run)."""
+@dataclass
+class _Moves:
+    """Moves between sets of a family, sorted by target then source, with their costs."""
 
-    def __init__(self, bm: BoundModel, sets: list[int]):
-        ix = bm.ix
-        self.sets = sets
-        A = ix.to_matrix(sets)
-        F, G, H = bm.pair_matrices(sets, A)
-        sizes = A.sum(axis=1).astype(np.float64)
-        Af = A.astype(np.float32)  # 0/1 entries: counts are exact in float32 below 2**24
-        inter = Af @ Af.T
-        valid = (inter == sizes[:, None]) & (sizes[None, :] > sizes[:, None])
-        # row j of the transposes holds every move into sets[j]: contiguous gathers in the DP
-        self.VT, self.FT, self.GT, self.HT = (np.ascontiguousarray(x.T) for x in (valid, F, G, H))
+    pi: np.ndarray
+    pj: np.ndarray
+    F: np.ndarray
+    G: np.ndarray
+    H: np.ndarray
+
+    def restrict(self, keep: np.ndarray) -> _Moves:
+        return _Moves(self.pi[keep], self.pj[keep], self.F[keep], self.G[keep], self.H[keep])
 
 
-def _family_dp(fam: _Family, objective: str, budget: float | None, tol: float = 0.0) -> list[int] | None:
-    """Algorithm 1 over the family (sorted by size, ∅ first, V last). Returns L_1..L_k or None."""
-    sets = fam.sets
-    S = len(sets)
-    VT, FT, GT, HT = fam.VT, fam.FT, fam.GT, fam.HT
-    if budget is not None:
-        VT = VT & (FT <= budget + _EPS)
+def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, targets: np.ndarray) -> _Moves:
+    """Moves L_i ⊊ L_j (i in ``sources``, j in ``targets``, increasing family indices) with F ≤ ``cap``.
+
+    Candidates come from the additive lower bound of the memory model (:meth:`Family.moves`); only those
+    are priced. Moves over the whole family are kept per family and reused for any smaller cap.
+    """
+    held = ctx.moves.get(id(fam))
+    if held is not None and held[0] >= cap:
+        mv = held[1]
+        keep = mv.F <= cap + _EPS
+        for sel, ends in ((sources, mv.pi), (targets, mv.pj)):
+            if len(sel) < fam.S:
+                mask = np.zeros(fam.S, dtype=bool)
+                mask[sel] = True
+                keep &= mask[ends]
+        return mv.restrict(keep)
+    wkey = ("lb", id(ctx.bm))
+    if wkey not in fam.cache:
+        fam.cache[wkey] = fam.sums(np.asarray(ctx.bm.lb_weights()[0], dtype=np.float64))
+    pi, pj = fam.moves(fam.cache[wkey], cap, sources, targets)
+    F, G, H = ctx.bm.pair_costs(fam, pi, pj)
+    mv = _Moves(pi, pj, F, G, H)
+    if np.isfinite(cap):
+        mv = mv.restrict(F <= cap + _EPS)
+    if len(sources) == len(targets) == fam.S:
+        ctx.moves[id(fam)] = (cap, mv)
+    return mv
+
+
+def _bottleneck(fam: Family, sub: np.ndarray, mv: _Moves) -> tuple[np.ndarray, np.ndarray]:
+    """ψ(L) = min over plans from L to V of max over their moves of (cache added since L + F), by set.
+
+    With cache m at L, the best peak any completion reaches is m + ψ(L): the cache already held adds to
+    every later move alike. So the smallest feasible budget is ψ(∅), a single-label bottleneck DP run from
+    V backwards, ψ(L) = min_{L'} max(F(L, L'), G(L, L') + ψ(L')), and a state (a, m) at L can still fit a
+    budget B only if m + ψ(L) ≤ B. Returns ψ (inf: V unreachable, -inf at V) and each set's best next set.
+    """
+    psi = np.full(fam.S, np.inf)
+    psi[sub[-1]] = -np.inf
+    nxt = np.full(fam.S, -1, dtype=np.int64)
+    order = np.lexsort((mv.pj, mv.pi))
+    pi, pj, F, G = mv.pi[order], mv.pj[order], mv.F[order], mv.G[order]
+    firsts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]]) if len(pi) else np.zeros(0, dtype=np.int64)
+    ends = np.r_[firsts[1:], len(pi)]
+    for i, p0, p1 in zip(pi[firsts][::-1].tolist(), firsts[::-1].tolist(), ends[::-1].tolist()):
+        vals = np.maximum(F[p0:p1], G[p0:p1] + psi[pj[p0:p1]])
+        k = int(vals.argmin())
+        psi[i] = vals[k]
+        nxt[i] = pj[p0 + k]
+    return psi, nxt
+
+
+def _family_dp(fam: Family, sub: np.ndarray, mv: _Moves, objective: str, budget: float | None,
+               bound: float | None = None, psi: np.ndarray | None = None) -> list[int] | None:
+    """Algorithm 1 (objective "time" or "memory") over the sets ``sub`` of ``fam`` (increasing, ∅ first, V
+    last) with the moves ``mv``.
+
+    Each set keeps the Pareto front of its states (a, m); a set's candidates are all states of all its
+    sources, in increasing source order, gathered in one vectorised step. Two prunings drop states that
+    can be neither optimal nor dominate one that can (a dominating state could follow the same completion),
+    so the result is the same plan: ``bound`` ("time") drops states whose overhead exceeds it (overheads
+    never decrease along a plan), ``psi`` (:func:`_bottleneck`) states that no completion fits in the budget.
+    Returns the family indices of L_1..L_k, or None.
+    """
     maximize = objective == "memory"
+    lim = None if bound is None else bound + _EPS + 1e-9 * abs(bound)
+    room = None if budget is None or psi is None else budget + _EPS - psi
     cap = 1024
     a = np.zeros(cap)
     m = np.zeros(cap)
     par = np.full(cap, -1, dtype=np.int64)
     own = np.zeros(cap, dtype=np.int64)
-    start = np.zeros(S + 1, dtype=np.int64)
-    start[1] = 1
+    fs = np.zeros(fam.S, dtype=np.int64)  # first state of each set
+    fl = np.zeros(fam.S, dtype=np.int64)  # number of states of each set
+    fl[sub[0]] = 1
     n_st = 1
-    for j in range(1, S):
-        src = np.flatnonzero(VT[j, :j])
-        lens = start[src + 1] - start[src]
+    tgt = sub[1:]
+    lo_all = np.searchsorted(mv.pj, tgt, side="left").tolist()
+    hi_all = np.searchsorted(mv.pj, tgt, side="right").tolist()
+    pi, F, G, H = mv.pi, mv.F, mv.G, mv.H
+    for j, p0, p1 in zip(tgt.tolist(), lo_all, hi_all):
+        if p0 == p1:
+            continue
+        src = pi[p0:p1]
+        lens = fl[src]
         tot = int(lens.sum())
-        if tot:
-            idx = np.repeat(start[src] - (np.cumsum(lens) - lens), lens) + np.arange(tot)
-            oo = np.repeat(src, lens)
-            f = FT[j, oo]
-            if budget is not None:
-                ok = m[idx] + f <= budget + _EPS
-                idx, oo, f = idx[ok], oo[ok], f[ok]
-        if tot and idx.size:
-            if objective == "peak":
-                na = np.maximum(a[idx], m[idx] + f)
-            else:
-                na = a[idx] + HT[j, oo]
-            nm = m[idx] + GT[j, oo]
-            if objective == "peak" and na.size > 1:
-                # each source contributes a run with the cache decreasing; a state is dominated within its
-                # run unless its new peak is below every later one of the run (a reset suffix minimum)
-                base = na.min()
-                span = na.max() - base + 1.0
-                key = (na - base) + oo * span  # runs are contiguous, in increasing source index oo
-                suf = np.minimum.accumulate(key[::-1])[::-1]
-                alive = np.ones(na.size, dtype=bool)
-                alive[:-1] = key[:-1] < suf[1:]
-                idx, oo, na, nm = idx[alive], oo[alive], na[alive], nm[alive]
-            keep = _pareto_np(na, nm, maximize, tol)
-            k = keep.size
-            if n_st + k > cap:
-                cap = max(2 * cap, n_st + k)
-                own, a, m, par = (np.resize(x, cap) for x in (own, a, m, par))
-            own[n_st:n_st + k] = j
-            a[n_st:n_st + k] = na[keep]
-            m[n_st:n_st + k] = nm[keep]
-            par[n_st:n_st + k] = idx[keep]
-            n_st += k
-        start[j + 1] = n_st
-    lo, hi = start[S - 1], start[S]
-    if lo == hi:
+        if not tot:
+            continue
+        cum = np.cumsum(lens)
+        rep = np.repeat(np.arange(p0, p1), lens)  # the move of each candidate
+        idx = np.repeat(fs[src] - (cum - lens), lens) + np.arange(tot)
+        mi = m[idx]
+        nm = mi + G[rep]
+        ok = None
+        if budget is not None:
+            ok = mi + F[rep] <= budget + _EPS
+        if room is not None:
+            ok = ok & (nm <= room[j])
+        na = a[idx] + H[rep]
+        if lim is not None:
+            ok = (na <= lim) if ok is None else ok & (na <= lim)
+        if ok is not None and not ok.all():
+            idx, na, nm = idx[ok], na[ok], nm[ok]
+            if not idx.size:
+                continue
+        keep = _pareto_np(na, nm, maximize)
+        k = keep.size
+        if n_st + k > cap:
+            cap = max(2 * cap, n_st + k)
+            own, a, m, par = (np.resize(x, cap) for x in (own, a, m, par))
+        own[n_st:n_st + k] = j
+        a[n_st:n_st + k] = na[keep]
+        m[n_st:n_st + k] = nm[keep]
+        par[n_st:n_st + k] = idx[keep]
+        fs[j], fl[j] = n_st, k
+        n_st += k
+    last = sub[-1]
+    if not fl[last]:
         return None
-    s = lo + _best(a[lo:hi], m[lo:hi], maximize)
+    lo = fs[last]
+    s = lo + _best(a[lo:lo + fl[last]], m[lo:lo + fl[last]], maximize)
     chain = []
     while s > 0:
-        chain.append(sets[own[s]])
+        chain.append(int(own[s]))
         s = par[s]
     return chain[::-1]
+
+
+def _levels(S: int) -> list[np.ndarray]:
+    """Sub-families for coarse-to-fine passes: every 8^k-th set (∅ and V always), coarsest first."""
+    steps = [1]
+    while S // steps[-1] > COARSE_SETS:
+        steps.append(steps[-1] * 8)
+    return [np.unique(np.concatenate([np.arange(0, S, step), [S - 1]])) for step in reversed(steps)]
+
+
+def _chain_costs(ctx: Context, fam: Family, chain: list[int]) -> tuple[int, float, list[int]]:
+    """(peak, overhead, peak of each segment) of a plan given as family indices, as :func:`evaluate_chain`."""
+    pj = np.array(chain, dtype=np.int64)
+    pi = np.r_[0, pj[:-1]]
+    F, G, H = ctx.bm.pair_costs(fam, pi, pj)
+    seg = [int(round(x)) for x in (np.cumsum(G) - G + F).tolist()]
+    return max(seg), float(sum(H.tolist())), seg
+
+
+def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
+    """A plan of least peak over ``fam`` (:func:`_bottleneck`), coarse to fine.
+
+    Only moves that fit a cap are listed, and the least peak has no cap a priori. A plan of a sub-family
+    (every k-th set, ∅ and V) is a plan of the family, so its peak bounds the optimum: each pass lists
+    the moves with F ≤ the previous pass's peak, and the last pass, over the whole family, is exact.
+    """
+    cap = math.inf
+    for sub in _levels(fam.S):
+        mv = _priced_moves(ctx, fam, cap, sub, sub)
+        psi, nxt = _bottleneck(fam, sub, mv)
+        chain, k = [], int(sub[0])
+        while k != sub[-1]:
+            k = int(nxt[k])
+            chain.append(k)
+        cap = min(cap, _chain_costs(ctx, fam, chain)[0])
+    return chain
+
+
+def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None) -> list[int] | None:
+    """One DP over ``fam``: "peak" by :func:`_min_peak_chain`, "memory" and "time" by :func:`_family_dp`.
+
+    With a budget, only the moves that fit it are listed and :func:`_bottleneck` prunes states that cannot
+    finish within it. "time" runs coarse to fine like :func:`_min_peak_chain`: a sub-family's plan bounds
+    the least overhead, and sets whose overhead lower bound (Σ of the model's ``h_weights``) exceeds it are
+    left out of the next pass.
+    """
+    if objective == "peak":
+        return _min_peak_chain(ctx, fam)
+    S = fam.S
+    cap = math.inf if budget is None else float(budget)
+    levels = [np.arange(S)] if objective == "memory" else _levels(S)
+    bound = math.inf
+    hsum = None
+    chain = None
+    for sub in levels:
+        sources = targets = sub
+        if np.isfinite(bound):
+            if hsum is None:
+                hsum = fam.sums(ctx.bm.h_weights())
+            live = hsum[sub] <= bound + _EPS + 1e-9 * bound
+            sources, targets = sub[live], sub[live | (sub == S - 1)]
+        mv = _priced_moves(ctx, fam, cap, sources, targets)
+        psi = None if budget is None else _bottleneck(fam, sub, mv)[0]
+        found = _family_dp(fam, sub, mv, objective, budget, bound if np.isfinite(bound) else None, psi)
+        if found is not None:
+            chain = found
+            if objective == "time":
+                bound = min(bound, _chain_costs(ctx, fam, chain)[1])
+    return chain
 
 
 # ------------------------------------------------------------------------------------------ search engine
@@ -191,12 +378,26 @@ def _successors(bm: BoundModel, L: int, cap: float) -> Iterator[tuple[int, float
             stack.append((nxt, nad, i + 1, nst))
 
 
+def _too_big(what: str, limit: int) -> FxplanError:
+    return FxplanError(
+        f"the exact DP would hold more than {limit:,} {what} (about {limit * 250 / 2**30:.1f} GiB); use the "
+        "approximate DP (solver='approx', or exact=False), or raise max_states if the memory is there"
+    )
+
+
 def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit: float | None,
-               limit: int | None = None) -> list[int] | None:
-    """Algorithm 1 over all lower sets, enumerating only budget-feasible moves (module docstring)."""
+               max_states: int | None = DEFAULT_MAX_STATES) -> list[int] | None:
+    """Algorithm 1 over all lower sets, enumerating only budget-feasible moves (module docstring).
+
+    Holds at most ``max_states`` lower sets plus states (an :class:`FxplanError` beyond).
+    """
     ix = bm.ix
     t0 = time.perf_counter()
-    lsets = enumerate_lower_sets(ix, limit=limit)
+    try:
+        lsets = enumerate_lower_sets(ix, limit=max_states)
+    except FxplanError:
+        raise _too_big("lower sets", max_states) from None
+    held = len(lsets)
     maximize = objective == "memory"
     pending: dict[int, list[tuple[float, float, object]]] = defaultdict(list)
     pending[0].append((0.0, 0.0, None))
@@ -213,6 +414,7 @@ def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit:
                 front.append(s)
                 run = s[1]
         fronts[L] = front
+        held -= len(cand) - len(front)
         if L == ix.full:
             break
         if time_limit is not None and time.perf_counter() - t0 > time_limit:
@@ -239,6 +441,9 @@ def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit:
                 else:
                     na = a + Hv
                 bucket.append((na, m + Gv, (L, k)))
+                held += 1
+            if max_states is not None and held > max_states:
+                raise _too_big("lower sets and DP states", max_states)
     if ix.full not in fronts:
         return None
     front = fronts[ix.full]
@@ -254,16 +459,19 @@ def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit:
 
 # ------------------------------------------------------------------------------------------ plans
 def plan_from_chain(ix: GraphIndex, bm: BoundModel, chain: list[int], *, budget: int | None, strategy: str,
-                    solver: str, seconds: float) -> Plan:
-    """Build a :class:`Plan` from lower sets L_1 ≺ … ≺ L_k = V (bitsets), evaluated under ``bm``."""
+                    solver: str, seconds: float, costs: tuple[int, float, list[int]] | None = None) -> Plan:
+    """Build a :class:`Plan` from lower sets L_1 ≺ … ≺ L_k = V (bitsets), evaluated under ``bm``.
+
+    ``costs``: (peak, overhead, segment peaks) when already known (they must be what ``bm`` gives).
+    """
     if not chain or chain[-1] != ix.full:
         raise FxplanError("a plan's last lower set must be V")
-    peak, over, seg_peaks, _ = evaluate_chain(bm, chain)
+    peak, over, seg_peaks = evaluate_chain(bm, chain)[:3] if costs is None else costs
     segments, lowers, bounds, seg_T = [], [], [], []
-    prev, kept_all = 0, 0
+    prev, kept_all, bd = 0, 0, 0
     for Lp in chain:
         Vp = Lp & ~prev
-        bd = ix.boundary(Lp)
+        bd = ix.next_boundary(bd, Lp, Vp)
         kept_all |= bd
         segments.append(ix.names_of(Vp))
         lowers.append(ix.names_of(Lp))
@@ -290,56 +498,69 @@ def plan_from_chain(ix: GraphIndex, bm: BoundModel, chain: list[int], *, budget:
     )
 
 
-def _run(ix: GraphIndex, bm: BoundModel, objective: str, budget: float | None, exact: bool, engine: str,
-         time_limit: float | None, cache: dict) -> list[int] | None:
-    """One DP run; ``cache`` keeps the family and its move costs between runs of one solve."""
-    if exact and engine == "search":
-        return _search_dp(bm, objective, budget, time_limit)
-    if "family" not in cache:
-        if not exact:
-            sets = pruned_lower_sets(ix)
-        elif engine == "family":
-            sets = enumerate_lower_sets(ix)
-        else:
-            try:
-                sets = enumerate_lower_sets(ix, limit=FAMILY_LIMIT)
-            except FxplanError:
-                sets = None
-        cache["family"] = None if sets is None else _Family(bm, sets)
-    if cache["family"] is None:  # exact DP on a lattice too big for pair matrices
-        if objective == "peak" and budget is None:
-            # bound the search by what the approximate DP achieves; the exact optimum is no larger
-            approx = _family_dp(_Family(bm, pruned_lower_sets(ix)), "peak", None)
-            budget = evaluate_chain(bm, approx)[0]
-        return _search_dp(bm, objective, budget, time_limit)
-    return _family_dp(cache["family"], objective, budget)
+Solution = tuple[list[int], tuple[int, float, list[int]]]
+
+
+def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine: str,
+         time_limit: float | None, max_states: int | None) -> Solution | None:
+    """One DP run: the family engine (approximate, or exact on small lattices), else the search engine.
+
+    Returns the plan (bitsets L_1..L_k) with its (peak, overhead, segment peaks), or None.
+    """
+    if engine not in ("auto", "family", "search"):
+        raise FxplanError(f"engine must be 'auto', 'family' or 'search', not {engine!r}")
+    fam = None
+    if not exact:
+        fam = ctx.family(False)
+    elif engine != "search":
+        fam = ctx.family(True, FAMILY_LIMIT if engine == "auto" else max_states)
+        if fam is None:
+            if engine == "family":
+                raise _too_big("lower sets", max_states)
+            ctx.families.pop("exact")  # too big for this limit; another call may allow more
+    if fam is not None:
+        found = _family_run(ctx, fam, objective, budget)
+        return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
+    if objective == "peak" and budget is None:
+        # bound the search by what the approximate DP achieves; the exact optimum is no larger
+        budget = _run(ctx, "peak", None, False, engine, time_limit, max_states)[1][0]
+    found = _search_dp(ctx.bm, objective, budget, time_limit, max_states)
+    return None if found is None else (found, evaluate_chain(ctx.bm, found)[:3])
+
+
+def _smallest_budget(ctx: Context, exact: bool, engine: str, time_limit: float | None,
+                     max_states: int | None) -> int:
+    found = _run(ctx, "peak", None, exact, engine, time_limit, max_states)
+    if found is None:  # cannot happen: the single segment V is always a plan
+        raise FxplanError("no plan found")
+    return int(math.ceil(found[1][0] - _EPS))
 
 
 def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, engine: str = "auto",
-                     time_limit: float | None = DEFAULT_TIME_LIMIT) -> int:
+                     time_limit: float | None = DEFAULT_TIME_LIMIT,
+                     max_states: int | None = DEFAULT_MAX_STATES) -> int:
     """The smallest budget (bytes) for which this DP finds a plan: min over plans of the predicted peak.
 
     Exact for the family searched (all lower sets if ``exact``, else the pruned family), found directly by
-    the "peak" DP (module docstring), not by binary search.
+    the "peak" DP (module docstring), not by binary search. ``time_limit`` and ``max_states``: see
+    :func:`solve`.
     """
-    ix = GraphIndex.build(cg)
-    bm = get_model(memory_model).bind(ix)
-    chain = _run(ix, bm, "peak", None, exact, engine, time_limit, {})
-    if chain is None:  # cannot happen: the single segment V is always a plan
-        raise FxplanError("no plan found")
-    return int(math.ceil(evaluate_chain(bm, chain)[0] - _EPS))
+    return _smallest_budget(context(cg, memory_model), exact, engine, time_limit, max_states)
 
 
 def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", exact: bool = False,
-          memory_model=None, engine: str = "auto", time_limit: float | None = DEFAULT_TIME_LIMIT) -> Plan:
+          memory_model=None, engine: str = "auto", time_limit: float | None = DEFAULT_TIME_LIMIT,
+          max_states: int | None = DEFAULT_MAX_STATES) -> Plan:
     """Find a recomputation plan for ``cg`` within ``budget_bytes`` (Kusumoto et al., sections 4.2-4.4).
 
     ``strategy="time"``: least overhead with predicted peak ≤ budget (``None``: no limit).
     ``strategy="memory"``: greatest overhead at the smallest feasible budget (section 4.4); the budget, if
     given, must be at least that. ``exact``: all lower sets (section 4.2) instead of the pruned family
     {L_v} (section 4.3). ``memory_model``: ``"autograd"`` (default), ``"paper"`` or a model object.
-    ``engine`` (exact DP only): ``"auto"``, ``"family"`` or ``"search"``; ``time_limit`` (seconds) stops
-    the exact search engine with an :class:`FxplanError` (default ``DEFAULT_TIME_LIMIT``; ``None``: never).
+    ``engine`` (exact DP only): ``"auto"``, ``"family"`` or ``"search"``. The exact DP stops with an
+    :class:`FxplanError` that says to use the approximate DP after ``time_limit`` seconds (default
+    ``DEFAULT_TIME_LIMIT``; ``None``: never) or when it would hold more than ``max_states`` lower sets and
+    states (default ``DEFAULT_MAX_STATES``, about 1 GB; ``None``: no limit).
 
     Raises :class:`BudgetError` (with ``min_feasible_bytes``) when no plan fits the budget.
     """
@@ -348,9 +569,10 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
     if budget_bytes is not None and budget_bytes < 0:
         raise FxplanError(f"budget_bytes must be non-negative, not {budget_bytes}")
     t0 = time.perf_counter()
-    ix = GraphIndex.build(cg)
-    bm = get_model(memory_model).bind(ix)
+    ctx = context(cg, memory_model)
+    ix, bm = ctx.ix, ctx.bm
     solver = "exact-dp" if exact else "approx-dp"
+    limits = (exact, engine, time_limit, max_states)
 
     def fail(min_b: int) -> BudgetError:
         return BudgetError(
@@ -361,16 +583,13 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
         )
 
     if strategy == "memory":
-        cache: dict = {}
-        chain = _run(ix, bm, "peak", None, exact, engine, time_limit, cache)
-        b_star = int(math.ceil(evaluate_chain(bm, chain)[0] - _EPS))
+        b_star = _smallest_budget(ctx, *limits)
         if budget_bytes is not None and budget_bytes < b_star:
             raise fail(b_star)
-        chain = _run(ix, bm, "memory", b_star, exact, engine, time_limit, cache)
+        found = _run(ctx, "memory", b_star, *limits)
     else:
-        chain = _run(ix, bm, "time", budget_bytes, exact, engine, time_limit, {})
-        if chain is None:
-            raise fail(min_budget_bytes(cg, exact=exact, memory_model=memory_model, engine=engine,
-                                        time_limit=time_limit))
-    return plan_from_chain(ix, bm, chain, budget=budget_bytes, strategy=strategy, solver=solver,
-                           seconds=time.perf_counter() - t0)
+        found = _run(ctx, "time", budget_bytes, *limits)
+        if found is None:
+            raise fail(_smallest_budget(ctx, *limits))
+    return plan_from_chain(ix, bm, found[0], budget=budget_bytes, strategy=strategy, solver=solver,
+                           seconds=time.perf_counter() - t0, costs=found[1])

@@ -123,7 +123,13 @@ class GraphIndex:
 
     def names_of(self, mask: int) -> list[str]:
         """Node names of a bitset, in topological order."""
-        return [self.names[i] for i in iter_bits(mask)]
+        names = self.names
+        return [names[i] for i in self.indices(mask).tolist()]
+
+    def indices(self, mask: int) -> np.ndarray:
+        """Node indices of a bitset, increasing."""
+        raw = np.frombuffer(mask.to_bytes((self.n + 7) // 8, "little"), dtype=np.uint8)
+        return np.flatnonzero(np.unpackbits(raw, bitorder="little"))
 
     def to_matrix(self, masks: list[int]) -> np.ndarray:
         """Boolean matrix (len(masks) × n): row r is the indicator vector of ``masks[r]``."""
@@ -145,6 +151,15 @@ class GraphIndex:
         out = 0
         for i in iter_bits(mask):
             if self.dsucc[i] & ~mask:
+                out |= 1 << i
+        return out
+
+    def next_boundary(self, bd: int, Lp: int, Vp: int) -> int:
+        """∂(L') from ∂(L), for lower sets L ⊊ L' with V' = L' \\ L: only ∂(L) ∪ V' can be on ∂(L')."""
+        out = 0
+        outside = ~Lp
+        for i in iter_bits(bd | Vp):
+            if self.dsucc[i] & outside:
                 out |= 1 << i
         return out
 

@@ -22,8 +22,10 @@ Two models:
   segment re-runs whole), except for the last segment, which is not recomputed: ``H = 0``.
 
 Each model exists in two evaluations that must agree (a test checks it): :meth:`BoundModel.transition`
-on bitsets, for one move, and :meth:`BoundModel.pair_matrices`, vectorised with numpy for every pair of
-a family of lower sets at once (the approximate DP's fast path).
+on bitsets, for one move, and :meth:`BoundModel.pair_costs`, vectorised with numpy over a list of moves
+between sets of a :class:`~fxplan.family.Family` (the family engine's path). ``pair_costs`` never touches
+the members of a segment: sums are differences of per-set sums, the terms that depend on both sets involve
+only ∂(L) and the edges leaving L, and max τ is a range maximum (:meth:`Family.max_new`).
 
 Per-node inputs of the autograd model (from :func:`fxplan.trace.trace`): ``saves_output`` (bool),
 ``saved_inputs`` (names of predecessor compute nodes whose outputs the node's backward keeps), ``saved``
@@ -33,11 +35,13 @@ all its compute-node inputs and not its output, with ``saved`` 0 when absent.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from fxplan.errors import FxplanError
+from fxplan.family import Family
 from fxplan.lowersets import GraphIndex, iter_bits, weighted_sum
 
 
@@ -49,16 +53,23 @@ class BoundModel:
     def __init__(self, ix: GraphIndex):
         self.ix = ix
 
-    def transition(self, L: int, Lp: int) -> tuple[int, int, float]:
-        """(F, G, H) of the move L → L' on bitsets (``L ⊊ L'`` lower sets)."""
+    def transition(self, L: int, Lp: int, bd: int | None = None) -> tuple[int, int, float]:
+        """(F, G, H) of the move L → L' on bitsets (``L ⊊ L'`` lower sets); ``bd``: ∂(L') if known."""
         raise NotImplementedError
 
-    def pair_matrices(self, sets: list[int], A: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(F, G, H) as ``len(sets)²`` arrays, entry [i, j] for the move sets[i] → sets[j].
+    def pair_costs(self, fam: Family, pi: np.ndarray, pj: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(F, G, H) of the moves ``fam.sets[pi[k]] → fam.sets[pj[k]]`` (each a strict subset), as arrays.
 
-        Entries where ``sets[i] ⊄ sets[j]`` are meaningless; the caller masks them.
+        Must equal :meth:`transition`; this default calls it pair by pair, the built-in models vectorise.
         """
-        raise NotImplementedError
+        sets = fam.sets
+        out = np.array([self.transition(sets[i], sets[j]) for i, j in zip(pi.tolist(), pj.tolist())],
+                       dtype=np.float64).reshape(-1, 3)
+        return out[:, 0], out[:, 1], out[:, 2]
+
+    def h_weights(self) -> np.ndarray:
+        """Per-node h ≥ 0 with Σ_{v∈V'} h[v] ≤ H(L, L') for every move with L' ≠ V (default: zeros)."""
+        return np.zeros(self.ix.n)
 
     def lb_weights(self) -> tuple[list[float], list[float]]:
         """(add, mx) with ``Σ_{v∈V'} add[v] + max_{v∈V'} mx[v] ≤ F(L, L ∪ V')`` for every move.
@@ -91,53 +102,41 @@ class BoundModel:
         """(F, G, H) of the move L → ``nxt``; must equal :meth:`transition`."""
         return self.transition(L, nxt)
 
-    def _common(self, A: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Boundary indicator matrix of every set in A and its per-set bytes."""
-        ix = self.ix
-        succ_adj = _adjacency(ix)  # E[u, w] = 1 for an edge u → w
-        # a member u of X is on ∂(X) iff it has a successor outside X: outdeg(u) > |succ(u) ∩ X|
-        inside = A.astype(np.float32) @ succ_adj.T.astype(np.float32)  # exact counts
-        outdeg = succ_adj.sum(axis=1)
-        Bd = A & (inside < outdeg[None, :])
-        return Bd, inside
-
-
-def _adjacency(ix: GraphIndex) -> np.ndarray:
-    E = np.zeros((ix.n, ix.n))
-    for u in range(ix.n):
-        for w in iter_bits(ix.dsucc[u]):
-            E[u, w] = 1.0
-    return E
-
 
 class _BoundPaper(BoundModel):
     name = "paper"
 
-    def transition(self, L: int, Lp: int) -> tuple[int, int, float]:
+    def transition(self, L: int, Lp: int, bd: int | None = None) -> tuple[int, int, float]:
         ix = self.ix
         Vp = Lp & ~L
-        bd = ix.boundary(Lp)
-        dplus = ix.delta_plus(Lp) & ~Lp
+        bd = ix.boundary(Lp) if bd is None else bd
+        dplus = ix.delta_plus(bd) & ~Lp
         dmd = ix.delta_minus(dplus) & ~Lp
         F = 2 * ix.msum(Vp) + ix.msum(dplus) + ix.msum(dmd)
         G = ix.msum(bd & ~L)
         H = ix.tsum(Vp & ~bd)
         return F, G, H
 
-    def pair_matrices(self, sets, A):
+    def pair_costs(self, fam, pi, pj):
         ix = self.ix
-        M, T = ix.M_np, ix.T_np
-        Af = A.astype(np.float64)
-        Bd, inside = self._common(A)
-        E = _adjacency(ix)
-        dplus = ((Af @ E) > 0) & ~A  # δ⁺(X) \ X
-        dmd = ((dplus.astype(np.float64) @ E.T) > 0) & ~A  # δ⁻(δ⁺(X)) \ X
-        MA, TA = Af @ M, Af @ T
-        P = dplus @ M + dmd @ M
-        Bf = Bd.astype(np.float64)
-        F = 2.0 * (MA[None, :] - MA[:, None]) + P[None, :]
-        G = (Bf @ M)[None, :] - (Af * M) @ Bf.T
-        H = (TA[None, :] - TA[:, None]) - ((Bf @ T)[None, :] - (Af * T) @ Bf.T)
+        key = ("paper", id(self))
+        if key not in fam.cache:
+            # per set X: M(X), T(X), M(∂X), T(∂X) and M(δ⁺(X) \ X) + M(δ⁻(δ⁺(X)) \ X)
+            P = np.zeros(fam.S)
+            ptr, node = fam.bd_ptr.tolist(), fam.bd_node.tolist()
+            for k, X in enumerate(fam.sets):
+                dplus = 0  # δ⁺(X) \ X: consumers of boundary members outside X
+                for u in node[ptr[k]:ptr[k + 1]]:
+                    dplus |= ix.dsucc[u]
+                dplus &= ~X
+                P[k] = ix.msum(dplus) + ix.msum(ix.delta_minus(dplus) & ~X)
+            fam.cache[key] = (fam.sums(ix.M_np), fam.sums(ix.T_np), fam.boundary_sums(ix.M_np),
+                              fam.boundary_sums(ix.T_np), P)
+        MA, TA, MB, TB, P = fam.cache[key]
+        kept_M, kept_T = _kept_boundary(fam, pi, pj, ix.M_np, ix.T_np)
+        F = 2.0 * (MA[pj] - MA[pi]) + P[pj]
+        G = MB[pj] - kept_M
+        H = (TA[pj] - TA[pi]) - (TB[pj] - kept_T)
         return F, G, H
 
     def lb_weights(self):
@@ -169,6 +168,10 @@ class AutogradModel:
     name: str = "autograd"
 
     def bind(self, ix: GraphIndex) -> BoundModel:
+        for name in ("out_grad", "in_grad", "transient"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise FxplanError(f"AutogradModel.{name} must be a finite number >= 0, got {value!r}")
         return _BoundAutograd(ix, self)
 
 
@@ -200,11 +203,11 @@ class _BoundAutograd(BoundModel):
             r |= self.si[w] & Vp
         return r
 
-    def transition(self, L: int, Lp: int) -> tuple[int, int, float]:
+    def transition(self, L: int, Lp: int, bd: int | None = None) -> tuple[int, int, float]:
         ix, c = self.ix, self.cfg
         Vp = Lp & ~L
         R = self._saved_members(Vp)
-        out_g = ix.msum(ix.boundary(Lp) & ~L)
+        out_g = ix.msum((ix.boundary(Lp) if bd is None else bd) & ~L)
         in_g = ix.msum(ix.delta_minus(Vp) & L)
         trans = max(self.tau[i] for i in iter_bits(Vp))
         F = ix.msum(R) + int(weighted_sum(Vp, self.sx)) + c.out_grad * out_g + c.in_grad * in_g
@@ -258,72 +261,92 @@ class _BoundAutograd(BoundModel):
         F = st[1] + st[2] + c.out_grad * st[6] + c.in_grad * st[4] + c.transient * st[7]
         return F, st[6], 0.0 if nxt == self._full else st[8]
 
-    def pair_matrices(self, sets, A):
+    def _family_terms(self, fam):
+        """Per-set sums the move costs are differences of, and per edge u → w leaving a set X whether w saves
+        u while u ∉ R*(X) (R*(X): members of X saved by a member of X or saving their own output).
+
+        For L ⊊ L', R(V') = R*(L') \\ L, and R*(L') ∩ L is R*(L) plus the members of ∂(L) that a member of
+        V' saves: M(R) = M(R*(L')) - M(R*(L)) - (those members' bytes)."""
+        key = ("autograd", id(self))
+        if key in fam.cache:
+            return fam.cache[key]
+        ix = self.ix
+        M = ix.M
+        rstar: list[int] = []
+        MR = np.zeros(fam.S)
+        in_rstar = np.zeros(len(fam.bd_node), dtype=bool)
+        ex_ptr, ex_node, bd_ptr = fam.ex_ptr.tolist(), fam.ex_node.tolist(), fam.bd_ptr.tolist()
+        bd_node = fam.bd_node.tolist()
+        for k, b in enumerate(fam.base.tolist()):
+            R, total = (rstar[b], MR[b]) if b >= 0 else (0, 0.0)
+            new = 0
+            for w in ex_node[ex_ptr[k]:ex_ptr[k + 1]]:
+                new |= self.si[w] | (self.so & (1 << w))
+            new &= ~R
+            R |= new
+            MR[k] = total + weighted_sum(new, M)
+            rstar.append(R)
+            for e in range(bd_ptr[k], bd_ptr[k + 1]):
+                in_rstar[e] = R >> bd_node[e] & 1
+        n = ix.n
+        saver_pairs = np.array(sorted(u * n + w for w in range(n) for u in iter_bits(self.si[w])), dtype=np.int64)
+        sx = np.array(self.sx, dtype=np.float64)
+        terms = (fam.sums(ix.M_np), fam.sums(ix.T_np), fam.sums(sx), fam.boundary_sums(ix.M_np), MR,
+                 (saver_pairs, in_rstar), np.array(self.tau, dtype=np.float64))
+        fam.cache[key] = terms
+        return terms
+
+    def pair_costs(self, fam, pi, pj):
         ix, c = self.ix, self.cfg
-        M, T = ix.M_np, ix.T_np
-        n, S = ix.n, len(sets)
-        Af = A.astype(np.float64)
-        Bd, inside = self._common(A)
-        Bf = Bd.astype(np.float64)
-        # R*(X): members of X saved by some member of X, or saving their own output
-        SI = np.zeros((n, n))
-        for w in range(n):
-            for u in iter_bits(self.si[w]):
-                SI[w, u] = 1.0
-        so = np.zeros(n, dtype=bool)
-        so[list(iter_bits(self.so))] = True
-        Rs = A & (so[None, :] | ((A.astype(np.float32) @ SI.astype(np.float32)) > 0))
-        Rf = Rs.astype(np.float64)
-        AM = Af * M
-        MR = (Rf @ M)[None, :] - AM @ Rf.T
-        out_g = (Bf @ M)[None, :] - AM @ Bf.T
-        sxa = Af @ np.array(self.sx, dtype=np.float64)
-        SX = sxa[None, :] - sxa[:, None]
-        # only pairs L ⊊ L' matter: compute the two non-bilinear terms on those alone
-        A32 = A.astype(np.float32)
-        sizes = A32.sum(axis=1)
-        sub = ((A32 @ A32.T) == sizes[:, None]) & (sizes[None, :] > sizes[:, None])
-        # gradients for the inputs of V' = L' \ L: members u of ∂(L) with more successors in L' than in L
-        in_g = np.zeros((S, S))
-        for i in range(S):
-            cols = np.flatnonzero(Bd[i])
-            rows_i = np.flatnonzero(sub[i])
-            if cols.size and rows_i.size:
-                in_g[i, rows_i] = (inside[np.ix_(rows_i, cols)] > inside[i, cols][None, :]) @ M[cols]
-        # max τ over V': the largest level θ_q with more nodes of τ ≥ θ_q in L' than in L. The excess
-        # |V' ∩ {τ ≥ θ_q}| shrinks as q grows, so a binary search over levels finds q for all pairs at once.
-        tau = np.array(self.tau, dtype=np.float64)
-        levels = np.unique(tau)
-        k = len(levels)
-        # C[X, q] = #{v ∈ X: τ_v ≥ θ_q}, flattened for gathers
-        C = (A32 @ (tau[:, None] >= levels[None, :]).astype(np.float32)).ravel()
-        pi, pj = np.nonzero(sub)
-        lo = np.zeros(pi.size, dtype=np.int64)
-        hi = np.full(pi.size, k - 1, dtype=np.int64)
-        while True:
-            open_ = np.flatnonzero(lo < hi)
-            if not open_.size:
-                break
-            mid = (lo[open_] + hi[open_] + 1) // 2
-            up = C[pj[open_] * k + mid] > C[pi[open_] * k + mid]
-            lo[open_[up]] = mid[up]
-            hi[open_[~up]] = mid[~up] - 1
-        trans = np.zeros((S, S))
-        trans[pi, pj] = levels[lo]
+        _, TA, SXA, MB, MRA, savers, tau = self._family_terms(fam)
+        P = len(pi)
+        # u ∈ ∂(L) stays on ∂(L') if a consumer is outside L'; V' reads it if a consumer is inside L';
+        # it joins R if a member of V' saves it
+        pair, u, stays, read, saved = fam.boundary_runs(pi, pj, *savers)
+        Mu = ix.M_np[u]
+        kept = np.bincount(pair, weights=Mu * stays, minlength=P)
+        in_g = np.bincount(pair, weights=Mu * read, minlength=P)
+        r_in = np.bincount(pair, weights=Mu * saved, minlength=P)
+        MR = MRA[pj] - (MRA[pi] + r_in)
+        out_g = MB[pj] - kept
+        SX = SXA[pj] - SXA[pi]
+        trans = fam.max_new(tau, pi, pj)
         F = MR + SX + c.out_grad * out_g + c.in_grad * in_g + c.transient * trans
-        TA = Af @ T
-        H = TA[None, :] - TA[:, None]
-        full = [j for j, s in enumerate(sets) if s == ix.full]
-        H[:, full] = 0.0
+        H = TA[pj] - TA[pi]
+        if fam.sets[-1] == ix.full:
+            H[pj == fam.S - 1] = 0.0  # the last segment is not recomputed
         return F, out_g, H
 
+    def h_weights(self):
+        return self.ix.T_np.copy()
+
     def lb_weights(self):
+        # Every input u a member w of V' saves is in R (u ∈ V') or in δ⁻(V') ∩ L (u ∈ L), and so is every
+        # member saving its own output. Splitting M(u) evenly among the k(u) nodes that save it charges
+        # each such u at most once: Σ_{w∈V'} add[w] ≤ M(R) + min(1, in_grad) M(δ⁻(V') ∩ L) + S(V').
         ix = self.ix
-        add = [float(self.sx[i] + (ix.M[i] if self.so >> i & 1 else 0)) for i in range(ix.n)]
+        n = ix.n
+        savers = [1 if self.so >> u & 1 else 0 for u in range(n)]
+        for w in range(n):
+            for u in iter_bits(self.si[w]):
+                savers[u] += 1
+        share = min(1.0, self.cfg.in_grad)
+        add = []
+        for w in range(n):
+            kept = sum(ix.M[u] / savers[u] for u in iter_bits(self.si[w]))
+            if self.so >> w & 1:
+                kept += ix.M[w] / savers[w]
+            add.append(float(self.sx[w]) + share * kept)
         return add, [self.cfg.transient * t for t in self.tau]
 
 
 MODELS = {"paper": PaperModel, "autograd": AutogradModel}
+
+
+def _kept_boundary(fam, pi: np.ndarray, pj: np.ndarray, *weights: np.ndarray) -> list[np.ndarray]:
+    """Σ w[u] over ∂(L') ∩ L = the members u of ∂(L) with a consumer outside L', per pair, per weight."""
+    pair, u, stays, _, _ = fam.boundary_runs(pi, pj)
+    return [np.bincount(pair, weights=w[u] * stays, minlength=len(pi)) for w in weights]
 
 
 def get_model(model: str | PaperModel | AutogradModel | None) -> PaperModel | AutogradModel:
@@ -344,9 +367,10 @@ def evaluate_chain(bm: BoundModel, chain: list[int]) -> tuple[int, float, list[i
 
     Returns (predicted peak, overhead, peak of each segment, bytes cached at the end M(U_k)).
     """
-    m, peak, over, seg_peaks, prev = 0, 0, 0.0, [], 0
+    m, peak, over, seg_peaks, prev, bd = 0, 0, 0.0, [], 0, 0
     for Lp in chain:
-        F, G, H = bm.transition(prev, Lp)
+        bd = bm.ix.next_boundary(bd, Lp, Lp & ~prev)
+        F, G, H = bm.transition(prev, Lp, bd)
         seg_peaks.append(int(round(m + F)))
         peak = max(peak, seg_peaks[-1])
         over += H

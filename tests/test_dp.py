@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from fxplan import dp
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.lowersets import GraphIndex, enumerate_lower_sets, supersets_of
+from fxplan.family import Family
+from fxplan.lowersets import GraphIndex, enumerate_lower_sets, pruned_lower_sets, supersets_of
 from fxplan.memory_model import AutogradModel, evaluate_chain, get_model
 
 MODELS = ["paper", "autograd"]
@@ -78,17 +79,28 @@ def check_plan(cg: CostGraph, plan, budget):
         assert plan.predicted_peak_bytes <= budget
 
 
-@settings(max_examples=40, deadline=None)
-@given(small_dags(max_nodes=7), st.sampled_from(MODELS))
-def test_pair_matrices_agree_with_transition(cg, model):
+@settings(max_examples=80, deadline=None)
+@given(small_dags(max_nodes=9), st.sampled_from(MODELS), st.booleans(), st.booleans())
+def test_pair_costs_agree_with_transition(cg, model, pruned, dense):
+    """The vectorised move costs, on both ways of looking up consumers, equal the scalar model."""
     ix = GraphIndex.build(cg)
     bm = get_model(model).bind(ix)
-    sets = enumerate_lower_sets(ix)
-    F, G, H = bm.pair_matrices(sets, ix.to_matrix(sets))
-    for i, L in enumerate(sets):
-        for j, Lp in enumerate(sets):
-            if Lp != L and Lp & L == L:
-                np.testing.assert_allclose((F[i, j], G[i, j], H[i, j]), bm.transition(L, Lp), atol=1e-6)
+    fam = Family.pruned(ix) if pruned else Family(ix, enumerate_lower_sets(ix))
+    if pruned:
+        assert fam.sets == pruned_lower_sets(ix)
+    fam.dense_counts = dense
+    pi, pj = fam.moves(np.zeros(fam.S), math.inf, np.arange(fam.S))
+    expected = [(i, j) for i, L in enumerate(fam.sets) for j, Lp in enumerate(fam.sets) if Lp != L and Lp & L == L]
+    assert list(zip(pi.tolist(), pj.tolist())) == sorted(expected, key=lambda p: (p[1], p[0])), "sorted by target"
+    F, G, H = bm.pair_costs(fam, pi, pj)
+    for k, (i, j) in enumerate(zip(pi.tolist(), pj.tolist())):
+        np.testing.assert_allclose((F[k], G[k], H[k]), bm.transition(fam.sets[i], fam.sets[j]), atol=1e-6)
+    add, _ = bm.lb_weights()
+    W = fam.sums(np.array(add))
+    assert (W[pj] - W[pi] <= F + 1e-6).all(), "the additive bound never exceeds F"
+    h = fam.sums(bm.h_weights())
+    not_last = np.array([fam.sets[j] != ix.full for j in pj.tolist()], dtype=bool)
+    assert (h[pj] - h[pi] <= H + 1e-6)[not_last].all()
 
 
 def test_paper_model_is_equation_2():
