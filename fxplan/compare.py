@@ -1,17 +1,20 @@
 """``fxplan compare``: fxplan's plans against vanilla PyTorch and its peers, measured in one run.
 
-For each network every method (:func:`default_methods`) is prepared once and measured three ways:
+For each network every method (:mod:`fxplan.methods`) is prepared once and measured three ways:
 
-1. **peak at the paper batch** (Kusumoto et al. 2019, Table 1) on fake tensors with
-   :func:`fxplan.measure.measure_step` (exact, allocates nothing). Compiled peers cannot be measured
-   this way (dispatch modes do not see compiled code), so their paper-batch peak is left empty;
+1. **peak at the main batch** (the paper batch of Kusumoto et al. 2019, Table 1, for its networks; the
+   zoo's realistic batch for the others) on fake tensors with :func:`fxplan.measure.measure_step`
+   (exact, allocates nothing). Compiled peers cannot be measured this way (dispatch modes do not see
+   compiled code), so their main-batch peak is left empty;
 2. **peak at a small batch** on a real step, every method with the same meter (``torch.profiler``
    allocation events on the CPU, the caching allocator on CUDA): the like-for-like column that
    includes ``torch.compile``;
 3. **step time at the small batch**, repetitions interleaved across methods (method A, B, C, A, B, C,
-   ...) so that load on the machine hits every method alike; the median over repetitions, divided by
-   vanilla's, is the time ratio.
+   ...) after one warm-up round, so that load on the machine hits every method alike; the median over
+   repetitions, divided by vanilla's, is the time ratio, and the spread (max - min) / median says how
+   far to trust it.
 
+A model too large for a real step here (a ``fake_only`` zoo entry) gets the first measurement only.
 The recompute fraction is measured too: forward FLOPs recomputed in one step (FLOPs of the method's
 step minus vanilla's, counted by ``torch.utils.flop_counter`` on fake tensors), divided by the FLOPs of
 vanilla's forward. fxplan rows also carry the planner's own prediction.
@@ -22,38 +25,25 @@ A method that fails becomes a row that says why (``not applicable``, ``timed out
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import signal
+import os
+import platform
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan import peers
-from fxplan.errors import FxplanError
-from fxplan.measure import GiB, fake_copy, measure_step, profiled_step_peak, resident_bytes
+from fxplan.console import Progress, filter_native_logs
+from fxplan.measure import fake_copy, fake_mode_of, measure_step, profiled_step_peak, resident_bytes
+from fxplan.methods import Context, Method, MethodTimeout, default_methods, real_copy
 
-#: fxplan's methods: row name -> (strategy, solver). ``chen`` is Chen et al.'s plan (strategy ignored).
-FXPLAN_METHODS = {
-    "chen": ("time", "chen"),
-    "approx-time": ("time", "approx"),
-    "approx-memory": ("memory", "approx"),
-    "exact-time": ("time", "exact"),
-    "exact-memory": ("memory", "exact"),
-}
-DEFAULT_COMPILE_BUDGETS = (0.75, 0.5, 0.25)
-DEFAULT_CURVE_POINTS = (0.25, 0.5, 0.75)
-
-
-class MethodTimeout(FxplanError):
-    """A method's preparation (e.g. the exact DP) ran past its time limit."""
+#: fxplan plans in the order the memory timeline prefers them.
+TIMELINE_PREFERENCE = ("approx-time", "exact-time", "approx-memory", "exact-memory", "chen")
 
 
 @dataclass
@@ -68,14 +58,16 @@ class Row:
     main: bool = True                          # False: an extra point of the trade-off curve only
     batch: int = 0
     input_size: int = 0
-    peak_bytes: int | None = None              # paper batch, fake tensors
+    input_label: str = ""                      # "224²" for images, "seq 1024" for token sequences
+    peak_bytes: int | None = None              # main batch, fake tensors
     reduction: float | None = None             # 1 - peak / vanilla peak
-    small_batch: int = 0
+    small_batch: int = 0                       # 0: no real step (model measured on fake tensors only)
     small_input_size: int = 0
     small_peak_bytes: int | None = None        # small batch, real step, same meter for every method
     small_reduction: float | None = None
     small_meter: str = ""
     step_seconds: float | None = None          # median real step time at the small batch
+    step_spread: float | None = None           # (slowest - fastest) / median of the timed steps
     time_ratio: float | None = None            # step_seconds / vanilla's
     recompute_fraction: float | None = None    # measured: recomputed forward FLOPs / forward FLOPs
     planned_recompute_fraction: float | None = None
@@ -91,39 +83,6 @@ class Row:
 
 
 @dataclass
-class Prepared:
-    """What a method's ``prepare`` returns: the module to run, and what it knows about itself."""
-
-    module: torch.nn.Module
-    info: dict[str, Any] = field(default_factory=dict)   # Row fields to set (budget, plan numbers, note)
-    fake_meter: bool = True                               # may be measured on fake tensors
-    real_module: torch.nn.Module | None = None            # module for real steps, if not a copy of module
-
-
-@dataclass
-class Context:
-    """One network being compared: the model, its inputs at both batches, and shared intermediate results."""
-
-    network: str
-    model: torch.nn.Module
-    loss_fn: Callable[[Any], torch.Tensor]
-    paper_inputs: tuple                  # fake tensors at the paper batch
-    small_inputs: tuple                  # real tensors at the small batch, on ``device``
-    device: torch.device
-    time_limit: float | None
-    vanilla_peak: int | None = None
-    cache: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Method:
-    name: str
-    family: str
-    prepare: Callable[[Context], Prepared]
-    main: bool = True
-
-
-@dataclass
 class Comparison:
     """Everything ``fxplan compare`` measured: rows, one-step memory timelines, and how it was run."""
 
@@ -134,128 +93,20 @@ class Comparison:
     def rows_for(self, network: str) -> list[Row]:
         return [r for r in self.rows if r.network == network]
 
+    def networks(self) -> list[str]:
+        """Network names in the order they were compared."""
+        return list(dict.fromkeys(r.network for r in self.rows))
 
-# ------------------------------------------------------------------------------------------- methods
+    def failed_networks(self, requested: Sequence[str] | None = None) -> list[str]:
+        """Networks on which no requested method (a row name or series; default: every method) worked."""
+        def asked(row: Row) -> bool:
+            return requested is None or row.method in requested or row.method.split("@")[0] in requested
 
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`MethodTimeout` in the block after ``seconds`` (SIGALRM; main thread on Unix only)."""
-    usable = seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    if not usable:
-        yield
-        return
-
-    def handler(signum, frame):
-        raise MethodTimeout(f"timed out after {seconds:g} s")
-
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def _vanilla(ctx: Context) -> Prepared:
-    return Prepared(peers.vanilla(ctx.model), {"budget": "-"})
-
-
-def _checkpoint_sequential(ctx: Context) -> Prepared:
-    module = peers.checkpoint_sequential_peer(ctx.model)
-    n = len(module.chain)
-    return Prepared(module, {"budget": f"{module.segments} segments of {n} steps", "segments": module.segments})
-
-
-def _compiled(fraction: float) -> Callable[[Context], Prepared]:
-    def prepare(ctx: Context) -> Prepared:
-        real_model = _real_copy(ctx.model, ctx.device)
-        module = peers.compile_peer(real_model, fraction)
-        start = time.perf_counter()
-        module.warm_up(ctx.small_inputs, ctx.loss_fn)
-        return Prepared(module, {
-            "budget": f"activation_memory_budget={fraction:g}", "plan_seconds": time.perf_counter() - start,
-            "note": "compiled code is invisible to the fake-tensor meter: measured at the small batch only",
-        }, fake_meter=False, real_module=module)
-
-    return prepare
-
-
-def fxplan_rewrite() -> Callable[..., torch.nn.Module]:
-    """The lead's ``fxplan.rewrite`` (model, budget_gb, *, example_inputs, strategy, solver)."""
-    import fxplan
-
-    rewrite = getattr(fxplan, "rewrite", None)
-    if rewrite is None:
-        raise FxplanError("fxplan.rewrite is not available in this checkout (fxplan/__init__.py does not "
-                          "export it yet), so fxplan's own plans cannot be measured")
-    return rewrite
-
-
-def _fxplan(strategy: str, solver: str, point: float | None = None) -> Callable[[Context], Prepared]:
-    """fxplan at the smallest feasible budget (as in Table 1), or at ``point`` of the way from it to vanilla."""
-
-    def prepare(ctx: Context) -> Prepared:
-        rewrite = fxplan_rewrite()
-        budget_gb = None
-        label = "smallest feasible"
-        if point is not None:
-            lo, hi = _min_budget(ctx), ctx.vanilla_peak
-            if hi is None:
-                raise FxplanError("vanilla's peak is unknown, so no budget between it and the minimum can be set")
-            budget_bytes = int(lo + point * (hi - lo))
-            budget_gb = budget_bytes / GiB
-            label = f"{budget_gb:.3f} GiB"
-        start = time.perf_counter()
-        with time_limit(ctx.time_limit if solver == "exact" else None):
-            module = rewrite(ctx.model, budget_gb, example_inputs=ctx.paper_inputs, strategy=strategy,
-                             solver=solver, loss_fn=ctx.loss_fn)
-        seconds = time.perf_counter() - start
-        plan = getattr(module, "fxplan_plan", None)
-        info: dict[str, Any] = {"budget": label, "plan_seconds": seconds}
-        if plan is not None:
-            info.update(predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=plan.budget_bytes,
-                        planned_recompute_fraction=plan.recompute_fraction, solve_seconds=plan.solve_seconds,
-                        segments=len(plan.segments))
-        return Prepared(module, info)
-
-    return prepare
-
-
-def _min_budget(ctx: Context) -> int:
-    if "min_budget" not in ctx.cache:
-        from fxplan.planning import min_budget_bytes
-
-        ctx.cache["min_budget"] = min_budget_bytes(ctx.model, ctx.paper_inputs, solver="approx")
-    return ctx.cache["min_budget"]
-
-
-def default_methods(
-    compile_budgets: Sequence[float] = DEFAULT_COMPILE_BUDGETS,
-    curve_points: Sequence[float] = DEFAULT_CURVE_POINTS,
-    *,
-    exact: bool = True,
-) -> list[Method]:
-    """Vanilla, the peers, fxplan's five plans, then extra trade-off points (approx-time and chen at
-    budgets ``curve_points`` of the way from the smallest feasible budget to vanilla's peak)."""
-    methods = [Method("vanilla", "baseline", _vanilla),
-               Method("checkpoint_sequential", "peer", _checkpoint_sequential)]
-    methods += [Method(f"torch.compile@{f:g}", "peer", _compiled(f)) for f in compile_budgets]
-    for name, (strategy, solver) in FXPLAN_METHODS.items():
-        if exact or solver != "exact":
-            methods.append(Method(name, "fxplan", _fxplan(strategy, solver)))
-    for p in curve_points:
-        methods.append(Method(f"approx-time@{p:g}", "fxplan", _fxplan("time", "approx", p), main=False))
-        methods.append(Method(f"chen@{p:g}", "fxplan", _fxplan("time", "chen", p), main=False))
-    return methods
+        return [net for net in self.networks()
+                if not any(r.status == "ok" and asked(r) for r in self.rows_for(net))]
 
 
 # ------------------------------------------------------------------------------------------ measuring
-
-
-def _real_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    return copy.deepcopy(module).to(device)
 
 
 def count_flops(module: torch.nn.Module, fake_inputs: tuple, loss_fn) -> tuple[int, int]:
@@ -276,7 +127,8 @@ def real_step_peak(module: torch.nn.Module, inputs: tuple, loss_fn, device: torc
     """Peak bytes of one real step of ``module`` (run in place), and the meter's name.
 
     CPU: ``torch.profiler`` allocation events (sees compiled code), with the tensors that exist before
-    the step counted as resident. CUDA: the caching allocator's ``max_memory_allocated``.
+    the step counted as resident; the profiler's native log lines are kept off stderr. CUDA: the
+    caching allocator's ``max_memory_allocated``.
     """
     module.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -289,7 +141,8 @@ def real_step_peak(module: torch.nn.Module, inputs: tuple, loss_fn, device: torc
         peak = torch.cuda.max_memory_allocated(device) - base + resident
         module.zero_grad(set_to_none=True)
         return peak, "cuda allocator"
-    peak = profiled_step_peak(module, inputs, loss_fn)
+    with filter_native_logs():
+        peak = profiled_step_peak(module, inputs, loss_fn)
     module.zero_grad(set_to_none=True)
     return peak, "torch.profiler allocation events"
 
@@ -332,22 +185,30 @@ def compare_network(
     repeats: int = 3,
     time_limit_s: float | None = 120.0,
     device: torch.device | str = "cpu",
-    progress: Any = None,
+    progress: Progress | None = None,
     timeline: bool = True,
+    real_steps: bool = True,
+    input_label: str = "",
 ) -> tuple[list[Row], dict[str, list[tuple[str, int]]]]:
     """Measure every method on one network. ``make_inputs(batch, input_size)`` makes real CPU inputs.
 
-    Returns the rows (vanilla first, in ``methods`` order) and the memory timelines of one paper-batch
-    step for vanilla and for the first fxplan plan that worked (keys: method names).
+    ``real_steps=False`` (a model built on the meta device) measures the main batch on fake tensors only.
+    Returns the rows (in ``methods`` order) and the memory timelines of one main-batch step for vanilla
+    and for the first fxplan plan that worked (keys: method names).
     """
     device = torch.device(device)
-    progress = progress or _Silent()
-    with FakeTensorMode() as mode:
+    progress = progress or Progress(quiet=True)
+    mode = fake_mode_of(model, ())  # the model's own fake mode, if its parameters are fake already
+    with mode:
         paper_inputs = make_inputs(batch, input_size)
     paper_inputs = tuple(tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor)
                                   and not isinstance(x, FakeTensor) else x, list(paper_inputs)))
-    small_inputs = tuple(tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
-                                  list(make_inputs(small_batch, small_input_size))))
+    small_inputs = None
+    if real_steps:
+        small_inputs = tuple(tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,
+                                      list(make_inputs(small_batch, small_input_size))))
+    else:
+        small_batch = small_input_size = 0
     ctx = Context(network, model, loss_fn, paper_inputs, small_inputs, device, time_limit_s)
     rows: list[Row] = []
     live: dict[str, torch.nn.Module] = {}
@@ -355,7 +216,8 @@ def compare_network(
     flops: dict[str, tuple[int, int]] = {}
     for m in methods:
         row = Row(network, m.name, m.family, main=m.main, batch=batch, input_size=input_size,
-                  small_batch=small_batch, small_input_size=small_input_size)
+                  input_label=input_label or f"{input_size}²", small_batch=small_batch,
+                  small_input_size=small_input_size)
         rows.append(row)
         try:
             with progress.step(f"{network}: preparing {m.name}"):
@@ -383,24 +245,26 @@ def compare_network(
                 continue
         if m.name == "vanilla":
             ctx.vanilla_peak = row.peak_bytes
+        if small_inputs is None:
+            continue
         try:
             # On the CPU every method runs on the model's own parameters (the peers and fxplan's rewrites
             # share them), so memory does not grow with the number of methods; elsewhere: one copy each.
             real = prepared.real_module or (prepared.module if device.type == "cpu"
-                                            else _real_copy(prepared.module, device))
+                                            else real_copy(prepared.module, device))
             with progress.step(f"{network}: {m.name}: peak at batch {small_batch} (real step)"):
                 row.small_peak_bytes, row.small_meter = real_step_peak(real, small_inputs, loss_fn, device)
             live[m.name] = real
         except Exception as exc:
             _fail(row, "crashed", exc, f"one real step at batch {small_batch}")
-    _time_interleaved(rows, live, small_inputs, loss_fn, device, repeats, progress, network)
+    if small_inputs is not None:
+        _time_interleaved(rows, live, small_inputs, loss_fn, device, repeats, progress, network)
     _derive(rows, flops)
     timelines: dict[str, list[tuple[str, int]]] = {}
     if timeline:
-        preference = ["approx-time", "exact-time", "approx-memory", "exact-memory", "chen"]
         chosen = sorted((r.method for r in rows if r.family == "fxplan" and r.main and r.status == "ok"
                          and r.method in fake_modules),
-                        key=lambda m: preference.index(m) if m in preference else len(preference))
+                        key=lambda m: TIMELINE_PREFERENCE.index(m) if m in TIMELINE_PREFERENCE else 99)
         for name in ["vanilla", *chosen[:1]]:
             if name in fake_modules:
                 with progress.step(f"{network}: memory timeline of {name}"):
@@ -411,12 +275,13 @@ def compare_network(
 
 
 def _time_interleaved(rows, live, inputs, loss_fn, device, repeats, progress, network) -> None:
-    """Median step time per method, repetitions interleaved across methods (one warm-up step each)."""
+    """Median step time per method, repetitions interleaved across methods after one warm-up round."""
     by_name = {r.method: r for r in rows}
     samples: dict[str, list[float]] = {name: [] for name in live}
     with progress.step(f"{network}: timing {len(live)} methods x {repeats} interleaved steps "
-                       f"at batch {rows[0].small_batch}"):
+                       f"at batch {rows[0].small_batch}") as step:
         for rep in range(repeats + 1):
+            step.update("warm-up round" if rep == 0 else f"round {rep}/{repeats}")
             for name in list(samples):
                 try:
                     seconds = _step(live[name], inputs, loss_fn, device)
@@ -428,7 +293,9 @@ def _time_interleaved(rows, live, inputs, loss_fn, device, repeats, progress, ne
                     samples[name].append(seconds)
     for name, s in samples.items():
         if s:
-            by_name[name].step_seconds = statistics.median(s)
+            median = statistics.median(s)
+            by_name[name].step_seconds = median
+            by_name[name].step_spread = (max(s) - min(s)) / median if median > 0 else None
 
 
 def _derive(rows: list[Row], flops: dict[str, tuple[int, int]]) -> None:
@@ -448,62 +315,69 @@ def _derive(rows: list[Row], flops: dict[str, tuple[int, int]]) -> None:
             r.recompute_fraction = max(0.0, (flops[r.method][1] - total) / fwd)
 
 
-class _Silent:
-    def step(self, what: str):
-        return contextlib.nullcontext()
+# ------------------------------------------------------------------------------------------ zoo entries
 
 
-# ------------------------------------------------------------------------------------- zoo and CLI
-
-
-def compare_zoo(
-    names: Sequence[str],
+def compare_models(
+    entries: Sequence[Any],
     *,
     batch_size: int | None = None,
     input_size: int | None = None,
     small_batch: int | None = None,
     small_input_size: int | None = None,
     methods: Sequence[Method] | None = None,
-    progress: Any = None,
+    progress: Progress | None = None,
     **kwargs: Any,
 ) -> Comparison:
-    """:func:`compare_network` on zoo networks (``models_zoo``); the paper's batch and size by default.
-
-    A network that cannot even be built gets one error row; the others go on.
+    """:func:`compare_network` on ``models_zoo.ZooEntry`` objects (see ``models_zoo.resolve_all``); each
+    entry's main batch and size by default. A network that cannot be built gets one error row; the
+    others go on.
     """
-    import models_zoo
-
     methods = list(methods) if methods is not None else default_methods()
-    comparison = Comparison([], {}, _meta(names, batch_size, small_batch, kwargs))
-    for name in names:
+    comparison = Comparison([], {}, run_meta([e.name for e in entries], kwargs))
+    for entry in entries:
+        batch = batch_size or entry.paper_batch
+        size = input_size or entry.input_size
         where = "building the network"
         try:
-            entry = models_zoo.get(name)
-            torch.manual_seed(0)
-            model = entry.build()
-            batch = batch_size or entry.paper_batch
-            size = input_size or entry.input_size
-            sb = small_batch or max(entry.min_batch, min(batch, 4))
-            ss = small_input_size or entry.quick_input_size or size
+            with (progress or Progress(quiet=True)).step(f"{entry.name}: building"):
+                torch.manual_seed(0)
+                model = entry.build()
             where = "comparing"
             rows, timelines = compare_network(
-                name, model, entry.loss, lambda b, s, e=entry: e.example_inputs(batch_size=b, input_size=s),
-                batch=batch, input_size=size, small_batch=sb, small_input_size=ss, methods=methods,
-                progress=progress, **kwargs)
+                entry.name, model, entry.loss,
+                lambda b, s, e=entry: e.example_inputs(batch_size=b, input_size=s),
+                batch=batch, input_size=size,
+                small_batch=small_batch or max(entry.min_batch, min(batch, 4)),
+                small_input_size=small_input_size or entry.quick_input_size or size,
+                methods=methods, progress=progress, real_steps=not entry.fake_only,
+                input_label=describe_input(entry.kind, size), **kwargs)
         except Exception as exc:  # one network's failure must not cost the others their rows
-            row = Row(name, "vanilla", "baseline")
+            row = Row(entry.name, "vanilla", "baseline", batch=batch, input_size=size,
+                      input_label=describe_input(entry.kind, size))
             _fail(row, "error", exc, where)
             comparison.rows.append(row)
             continue
         comparison.rows.extend(rows)
-        comparison.timelines[name] = timelines
+        comparison.timelines[entry.name] = timelines
     return comparison
 
 
-def _meta(names, batch_size, small_batch, kwargs) -> dict[str, Any]:
-    import os
-    import platform
+def compare_zoo(names: Sequence[str], **kwargs: Any) -> Comparison:
+    """:func:`compare_models` on model names (zoo, torchvision, ``timm:NAME``, ``hf:NAME``), all resolved
+    before any work starts: an unknown name raises :class:`fxplan.FxplanError` at once."""
+    import models_zoo
 
+    return compare_models(models_zoo.resolve_all(names), **kwargs)
+
+
+def describe_input(kind: str, size: int) -> str:
+    """How an input size reads in a report: ``seq 1024`` for token sequences, ``224²`` for images."""
+    return f"seq {size}" if kind == "language" else f"{size}²"
+
+
+def run_meta(names: Sequence[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """How the comparison was run: networks, versions, machine, repetitions, time limit, start time."""
     return {
         "networks": list(names), "torch": torch.__version__, "python": platform.python_version(),
         "machine": f"{os.cpu_count()}-core CPU" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available()
@@ -513,80 +387,7 @@ def _meta(names, batch_size, small_batch, kwargs) -> dict[str, Any]:
     }
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise FxplanError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def add_compare_parser(subparsers: Any) -> Any:
-    """Register ``fxplan compare MODEL... [--batch-size N] [--out DIR]`` on an argparse subparsers object."""
-    p = subparsers.add_parser(
-        "compare", help="measure fxplan's plans against vanilla, checkpoint_sequential and torch.compile",
-        description="Measure every method on each zoo network and write report.md/.json/.html and PNG plots.")
-    p.add_argument("models", nargs="+", metavar="MODEL", help="zoo network names (see 'fxplan zoo')")
-    p.add_argument("--batch-size", type=int, default=None, help="batch for peaks (default: the paper's)")
-    p.add_argument("--input-size", type=int, default=None, help="image side for peaks (default: the paper's)")
-    p.add_argument("--small-batch", type=int, default=None,
-                   help="batch of the real steps (timing, like-for-like peaks; default min(4, batch))")
-    p.add_argument("--small-input-size", type=int, default=None, help="input size of the real steps")
-    p.add_argument("--out", default="fxplan-compare", help="report directory (default ./fxplan-compare)")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per method, interleaved (default 3)")
-    p.add_argument("--time-limit", type=float, default=120.0, help="seconds allowed for an exact DP (default 120)")
-    p.add_argument("--compile-budgets", default=",".join(f"{f:g}" for f in DEFAULT_COMPILE_BUDGETS),
-                   help="activation_memory_budget values for torch.compile, comma-separated ('' for none)")
-    p.add_argument("--curve-points", default=",".join(f"{f:g}" for f in DEFAULT_CURVE_POINTS),
-                   help="extra budgets for the trade-off curve, as fractions of the way from the smallest "
-                        "feasible budget to vanilla's peak ('' for none)")
-    p.add_argument("--no-exact", action="store_true", help="skip the exact DP rows")
-    p.add_argument("--device", default=None, help="device of the real steps (default: cuda if present, else cpu)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=cmd_compare)
-    return p
-
-
-def _command_line(args: Any) -> str:
-    """The ``fxplan compare`` command that reproduces this run (non-default options only)."""
-    parts = ["fxplan", "compare", *args.models]
-    defaults = {"batch_size": None, "input_size": None, "small_batch": None, "small_input_size": None,
-                "out": "fxplan-compare", "repeats": 3, "time_limit": 120.0, "device": None,
-                "compile_budgets": ",".join(f"{f:g}" for f in DEFAULT_COMPILE_BUDGETS),
-                "curve_points": ",".join(f"{f:g}" for f in DEFAULT_CURVE_POINTS)}
-    for name, default in defaults.items():
-        value = getattr(args, name, default)
-        if value != default:
-            parts += [f"--{name.replace('_', '-')}", repr(value) if value == "" else str(value)]
-    if getattr(args, "no_exact", False):
-        parts.append("--no-exact")
-    return " ".join(parts)
-
-
-def cmd_compare(args: Any) -> int:
-    """Handler of ``fxplan compare``: run, print the summary table, write the report; exit code."""
-    from fxplan.cli import Progress
-    from fxplan.report import summary_table, write_report
-
-    for name in ("batch_size", "input_size", "small_batch", "small_input_size", "repeats"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise FxplanError(f"--{name.replace('_', '-')} must be a positive integer")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    methods = default_methods(_floats(args.compile_budgets), _floats(args.curve_points), exact=not args.no_exact)
-    comparison = compare_zoo(
-        args.models, batch_size=args.batch_size, input_size=args.input_size, small_batch=args.small_batch,
-        small_input_size=args.small_input_size, methods=methods, progress=Progress(args.quiet),
-        repeats=args.repeats, time_limit_s=args.time_limit if args.time_limit > 0 else None, device=device)
-    comparison.meta["command"] = _command_line(args)
-    paths = write_report(comparison, args.out)
-    print(summary_table(comparison))
-    print()
-    print("report: " + ", ".join(str(p) for p in paths))
-    return 0
-
-
 __all__ = [
-    "Comparison", "Context", "FXPLAN_METHODS", "Method", "MethodTimeout", "Prepared", "Row",
-    "add_compare_parser", "cmd_compare", "compare_network", "compare_zoo", "count_flops", "default_methods",
-    "real_step_peak", "time_limit",
+    "Comparison", "Row", "TIMELINE_PREFERENCE", "compare_models", "compare_network", "compare_zoo",
+    "count_flops", "describe_input", "real_step_peak", "run_meta",
 ]

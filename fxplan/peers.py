@@ -1,4 +1,5 @@
-"""The methods fxplan is compared against: vanilla PyTorch, ``checkpoint_sequential`` and ``torch.compile``.
+"""The methods fxplan is compared against: vanilla PyTorch, ``checkpoint_sequential``, ``torch.compile``
+and, for Hugging Face transformers, the library's own activation checkpointing.
 
 Each peer turns a model into a module that runs one training step its way. Nothing here plans
 anything; :mod:`fxplan.compare` measures what these modules cost.
@@ -15,11 +16,17 @@ anything; :mod:`fxplan.compare` measures what these modules cost.
   ``torch._functorch.config.activation_memory_budget`` set while the graph is compiled. The budget is
   a fraction of the saved-activation set, not bytes of peak. Compiled code is invisible to dispatch
   modes (hence to fake-tensor metering), so compiled peers are measured on real steps only.
+* **Hugging Face checkpointing**: ``model.activation_checkpointing_enable()`` (called
+  ``gradient_checkpointing_enable()`` before transformers 5), what LLM users turn on today: every decoder
+  or encoder layer runs under non-reentrant ``torch.utils.checkpoint``, so only the layer inputs are
+  kept and each layer's forward is recomputed in backward. Recomputation happens in ordinary eager code,
+  which the fake-tensor meter sees, so these peers are measured like vanilla.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -242,7 +249,32 @@ def compile_peer(model: nn.Module, fraction: float) -> CompiledPeer:
     return CompiledPeer(model, fraction)
 
 
+# ------------------------------------------------------------------------------ Hugging Face checkpointing
+
+
+def hf_checkpointing_peer(model: nn.Module, every_n_layers: int = 1) -> nn.Module:
+    """A copy of a transformers model with its own activation checkpointing on, sharing ``model``'s parameters
+    and buffers (nothing is copied but the module objects; ``model`` itself is left as it is).
+
+    ``every_n_layers`` > 1 checkpoints only every n-th layer (transformers 5's trade-off knob).
+    Raises :class:`NotApplicable` for a model that is not a transformers ``PreTrainedModel`` supporting it.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise NotApplicable("not applicable: not a Hugging Face transformers model that supports gradient "
+                            "checkpointing")
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    peer = copy.deepcopy(model, shared)
+    if hasattr(peer, "activation_checkpointing_enable"):  # transformers >= 5: non-reentrant by default
+        peer.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
+                                             every_n_layers=every_n_layers)
+    elif every_n_layers == 1:
+        peer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise NotApplicable("not applicable: checkpointing every n-th layer needs transformers >= 5")
+    return peer.train(model.training)
+
+
 __all__ = [
     "CheckpointSequential", "CompiledPeer", "NotApplicable", "activation_budget", "as_sequential",
-    "checkpoint_sequential_peer", "compile_peer", "vanilla",
+    "checkpoint_sequential_peer", "compile_peer", "hf_checkpointing_peer", "vanilla",
 ]

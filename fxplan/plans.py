@@ -20,6 +20,10 @@ def _fmt_bytes(b: float) -> str:
     return f"{b / 1024:.1f} KiB"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 @dataclass
 class Plan:
     """A recomputation plan (canonical strategy of Kusumoto et al. 2019, section 3).
@@ -76,24 +80,39 @@ class Plan:
         return len(self.segments)
 
     def summary(self) -> str:
-        """A readable multi-line description: one line per segment, then the totals."""
-        lines = [
-            f"Plan: {self.solver} / {self.strategy}, memory model {self.memory_model!r}, "
-            f"{self.num_segments} segments, solved in {self.solve_seconds:.3f} s",
-            f"  budget {_fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else 'none'}, "
-            f"predicted peak {_fmt_bytes(self.predicted_peak_bytes)}"
-            + (f", measured {_fmt_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),
-            f"  recomputed forward: {100 * self.recompute_fraction:.1f}% of one forward pass "
-            f"(equation (1): {100 * self.paper_overhead_fraction:.1f}%)",
-        ]
+        """A description in plain words: how the plan was found, its peak (measured and predicted, and what
+        each means), what it recomputes, then one line per segment. The paper's notation stays in the fields."""
         k = self.num_segments
+        aim = {"time": "least recomputation within the budget", "memory": "lowest peak"}.get(self.strategy,
+                                                                                           self.strategy)
+        budget = _fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else "none given"
+        predicted = _fmt_bytes(self.predicted_peak_bytes)
+        lines = [f"Plan: {_count(k, 'segment')}, found by {self.solver} ({aim}) in {self.solve_seconds:.2f} s"]
+        if self.measured_peak_bytes is not None:
+            lines += [
+                f"  budget {budget}; peak of one training step: {_fmt_bytes(self.measured_peak_bytes)} measured, "
+                f"{predicted} predicted",
+                "  (measured: one step of the rewritten model, counted exactly on fake tensors; the budget holds this.",
+                "   predicted: the planner's memory model, which chose the segments; it may exceed the measured peak "
+                "and the budget.)",
+            ]
+        else:
+            lines.append(f"  budget {budget}; predicted peak of one training step {predicted} (the planner's "
+                         "memory model; fxplan.rewrite measures the real peak)")
+        lines.append(f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass")
         for i, seg in enumerate(self.segments):
             kept = self.boundaries[i]
             shown = ", ".join(kept[:4]) + (f", … (+{len(kept) - 4})" if len(kept) > 4 else "")
-            rec = "not recomputed" if i == k - 1 else f"recomputes T={self.segment_T[i]:.4g}"
+            if i == k - 1:
+                what = "not recomputed"
+            elif self.total_T:
+                what = f"recomputed in backward ({100 * self.segment_T[i] / self.total_T:.1f}% of a forward pass)"
+            else:
+                what = "recomputed in backward"
             lines.append(
-                f"  [{i}] {len(seg):4d} nodes {seg[0]} … {seg[-1]}; keeps {len(kept)} "
-                f"[{shown}]; {rec}; peak {_fmt_bytes(self.segment_peak_bytes[i])}"
+                f"  [{i}] {_count(len(seg), 'op')} {seg[0]} … {seg[-1]}; keeps {_count(len(kept), 'value')}"
+                + (f" [{shown}]" if kept else "")
+                + f"; {what}; predicted peak during its backward {_fmt_bytes(self.segment_peak_bytes[i])}"
             )
             if str(i) in self.children:
                 sub = self.children[str(i)].summary().splitlines()

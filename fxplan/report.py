@@ -1,8 +1,9 @@
 """The report of ``fxplan compare``: report.md, report.json, report.html and PNG plots.
 
 * ``report.json``: every row (:class:`fxplan.compare.Row` as a dict), the timelines and how the run was made;
-* ``report.md``: a table shaped like Kusumoto et al.'s Table 1 (peak at the paper batch and reduction
-  against vanilla, per network and method), then per network every method's measured numbers;
+* ``report.md``: a table shaped like Kusumoto et al.'s Table 1 (peak at the main batch and reduction
+  against vanilla, per network and method), what every column means, then per network every method's
+  measured numbers;
 * ``report.html``: the same tables with the plots inline (base64 PNG), one self-contained file;
 * ``tradeoff-<network>.png``: memory against step-time ratio, every method on one chart (the paper's
   Figure 3 view); ``timeline-<network>.png``: live bytes after every op of one step, vanilla against
@@ -22,25 +23,57 @@ from pathlib import Path
 from typing import Any
 
 from fxplan.compare import Comparison, Row
+from fxplan.console import format_table
 from fxplan.measure import GiB, MiB
 
-#: Table-1 columns: (heading, method row name).
+#: Table-1 columns: (heading, method row name). A column no network has a row for is left out.
 TABLE1 = (
-    ("vanilla", "vanilla"), ("checkpoint_sequential", "checkpoint_sequential"), ("Chen", "chen"),
+    ("vanilla", "vanilla"), ("checkpoint_sequential", "checkpoint_sequential"),
+    ("HF checkpointing", "hf-checkpointing"), ("Chen", "chen"),
     ("ApproxDP+MC", "approx-memory"), ("ExactDP+MC", "exact-memory"),
     ("ApproxDP+TC", "approx-time"), ("ExactDP+TC", "exact-time"),
 )
 
 METERS = (
     "Peaks are whole-step peaks: parameters, buffers, inputs, activations, gradients and backward "
-    "temporaries. The paper-batch peak is measured exactly on fake tensors (fxplan.measure_step, "
-    "fake=True; nothing is allocated). torch.compile cannot be measured that way (a dispatch mode does "
-    "not see compiled code), so its rows have no paper-batch peak: compare them in the small-batch "
-    "columns, where every method is measured alike on a real step (torch.profiler allocation events on "
-    "the CPU, the caching allocator on CUDA). Small-batch reductions are not the paper-batch reductions: "
-    "parameters and gradients weigh more at a small batch. Step times are medians of interleaved real "
-    "steps at the small batch; recompute = forward FLOPs recomputed per step (measured with "
-    "torch.utils.flop_counter) / FLOPs of one forward pass."
+    "temporaries. The main-batch peak (the paper's batch for Table 1's networks, the zoo's batch for "
+    "the others) is measured exactly on fake tensors (fxplan.measure_step, fake=True; nothing is "
+    "allocated). torch.compile cannot be measured that way (a dispatch mode does not see compiled code), "
+    "so its rows have no main-batch peak: compare them in the small-batch columns, where every method is "
+    "measured alike on a real step (torch.profiler allocation events on the CPU, the caching allocator on "
+    "CUDA). Small-batch reductions are not the main-batch reductions: parameters and gradients weigh more "
+    "at a small batch. Models too large for a real step here are measured on fake tensors only."
+)
+
+#: What each column of the per-network tables means (written into the report).
+COLUMNS = (
+    ("method", "vanilla: the model as it is. checkpoint_sequential: torch.utils.checkpoint over "
+               "round(sqrt(n)) segments of a chain-shaped model. hf-checkpointing: Hugging Face's own "
+               "activation checkpointing of every layer (transformers models only). torch.compile@F: "
+               "aot_eager with activation_memory_budget=F, a fraction of the saved activations, not bytes. "
+               "chen, approx-*, exact-*: fxplan's plans (Chen et al.'s; Kusumoto et al.'s approximate and "
+               "exact DP, time- or memory-centric) at the smallest budget each reaches. NAME@P (curve points): "
+               "fxplan at the budget P of the way from the smallest feasible peak (0) to vanilla's (1)."),
+    ("status", "ok, not applicable, timed out (planning ran past --time-limit), crashed (a measured step "
+               "failed) or error (preparing failed); the note says why."),
+    ("peak GiB @batch B", "measured peak of one step at the main batch, on fake tensors (exact)."),
+    ("vs vanilla", "change of that peak against vanilla's."),
+    ("peak MiB @batch b", "measured peak of one real step at the small batch, every method with the same "
+                          "meter; the only peak torch.compile has."),
+    ("step-time ratio", "median real step time at the small batch / vanilla's; in brackets the spread "
+                        "(slowest - fastest) / median of the timed steps. Spreads of 10% and more mean "
+                        "the machine was busy: compare ratios only when they differ by more than that."),
+    ("recompute (measured)", "forward FLOPs re-executed in backward (counted with torch.utils.flop_counter) "
+                             "/ FLOPs of one forward pass."),
+    ("recompute (planned)", "the same fraction as the plan predicts it."),
+    ("predicted peak GiB", "the peak fxplan's memory model predicts for the chosen plan. It may be above "
+                           "the measured peak, and above the budget: the model over-predicts, and fxplan "
+                           "holds the *measured* peak to the budget, so a plan predicted above it is kept "
+                           "when its measured peak fits."),
+    ("budget", "what the method was given: a budget in GiB (measured whole-step peak), 'smallest "
+               "feasible', a compile fraction or a segment count."),
+    ("planning", "wall time to produce the module: tracing, solving, code generation and measuring "
+                 "candidate plans (for torch.compile: compiling)."),
 )
 
 
@@ -56,8 +89,10 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{-100 * x:+.0f}%".replace("+-", "-").replace("-0%", "0%")
 
 
-def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
+def _ratio(x: float | None, spread: float | None = None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}x" + (f" (spread {100 * spread:.0f}%)" if spread is not None else "")
 
 
 def _secs(x: float | None) -> str:
@@ -80,51 +115,60 @@ def _table1_cell(row: Row | None) -> str:
     return f"{_gib(row.peak_bytes)} ({_pct(row.reduction)})"
 
 
-def networks(comparison: Comparison) -> list[str]:
-    seen: list[str] = []
-    for r in comparison.rows:
-        if r.network not in seen:
-            seen.append(r.network)
-    return seen
-
-
 def table1(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the Table-1-shaped summary (peak at the paper batch, GiB, and reduction)."""
-    header = ["network", "input, batch", *[h for h, _ in TABLE1]]
+    """Header and rows of the Table-1-shaped summary (peak at the main batch, GiB, and reduction)."""
+    present = {r.method for r in comparison.rows}
+    columns = [(h, m) for h, m in TABLE1 if m in present or m == "vanilla"]
+    header = ["network", "input, batch", *[h for h, _ in columns]]
     rows = []
-    for net in networks(comparison):
+    for net in comparison.networks():
         by = {r.method: r for r in comparison.rows_for(net)}
         any_row = comparison.rows_for(net)[0]
-        rows.append([net, f"{any_row.input_size}², {any_row.batch}",
-                     *[_table1_cell(by.get(m)) for _, m in TABLE1]])
+        rows.append([net, f"{any_row.input_label or f'{any_row.input_size}²'}, {any_row.batch}",
+                     *[_table1_cell(by.get(m)) for _, m in columns]])
     return header, rows
 
 
-DETAIL_HEADER = ["method", "status", "peak GiB @paper batch", "vs vanilla", "peak MiB @small batch",
-                 "vs vanilla (small)", "step-time ratio", "recompute (measured)", "recompute (planned)",
-                 "predicted peak GiB", "budget", "planning", "note"]
+def detail_header(rows: Sequence[Row]) -> list[str]:
+    """Column headings of a network's table, with its two batches in them."""
+    first = rows[0]
+    small = f"peak MiB @batch {first.small_batch}" if first.small_batch else "peak MiB @small batch"
+    return ["method", "status", f"peak GiB @batch {first.batch}", "vs vanilla", small, "vs vanilla (small)",
+            "step-time ratio", "recompute (measured)", "recompute (planned)", "predicted peak GiB", "budget",
+            "planning", "note"]
 
 
 def detail_rows(rows: Sequence[Row]) -> list[list[str]]:
     out = []
     for r in rows:
         out.append([r.method, r.status, _gib(r.peak_bytes), _pct(r.reduction), _mib(r.small_peak_bytes),
-                    _pct(r.small_reduction), _ratio(r.time_ratio), _frac(r.recompute_fraction),
+                    _pct(r.small_reduction), _ratio(r.time_ratio, r.step_spread), _frac(r.recompute_fraction),
                     _frac(r.planned_recompute_fraction), _gib(r.predicted_peak_bytes), r.budget or "-",
                     _secs(r.plan_seconds), r.note or ""])
     return out
 
 
+def _real_steps(rows: Sequence[Row]) -> str:
+    first = rows[0]
+    if not first.small_batch:
+        return "no real steps (too large for one here: fake tensors only)"
+    size = first.input_label.replace(str(first.input_size), str(first.small_input_size), 1)
+    return f"real steps at batch {first.small_batch}, {size} ({first.small_meter or 'no real step ran'})"
+
+
 def summary_table(comparison: Comparison) -> str:
     """Plain-text summary for the terminal: the main rows of every network."""
-    from fxplan.cli import format_table
-
     header = ["network", "method", "status", "peak GiB", "vs vanilla", "small batch vs vanilla", "time ratio",
               "recompute", "planning"]
     rows = [[r.network, r.method, r.status, _gib(r.peak_bytes), _pct(r.reduction), _pct(r.small_reduction),
              _ratio(r.time_ratio), _frac(r.recompute_fraction), _secs(r.plan_seconds)]
             for r in comparison.rows if r.main]
     return format_table(header, rows)
+
+
+def file_stem(network: str) -> str:
+    """A file-name-safe form of a network name (``timm:resnet50`` -> ``timm-resnet50``)."""
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in network)
 
 
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -139,6 +183,7 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 # ----------------------------------------------------------------------------------------------- plots
 
 _STYLE = {"vanilla": ("k", "s"), "checkpoint_sequential": ("tab:purple", "D"), "torch.compile": ("tab:blue", "^"),
+          "hf-checkpointing": ("tab:cyan", "P"),
           "chen": ("tab:green", "o"), "approx-time": ("tab:red", "o"), "approx-memory": ("tab:orange", "v"),
           "exact-time": ("tab:brown", "x"), "exact-memory": ("tab:pink", "+")}
 
@@ -148,7 +193,7 @@ def _series(name: str) -> str:
 
 
 def plot_tradeoff(rows: Sequence[Row], path: Path) -> Path:
-    """Peak against step-time ratio, every method on one chart: left at the paper batch (fake meter),
+    """Peak against step-time ratio, every method on one chart: left at the main batch (fake meter),
     right at the small batch relative to vanilla (one meter for all, torch.compile included)."""
     import matplotlib
 
@@ -219,17 +264,17 @@ def write_report(comparison: Comparison, out_dir: str | Path) -> list[Path]:
         import matplotlib  # noqa: F401
     except ImportError:
         plot_error = "matplotlib is not installed (pip install 'fxplan[report]'), so no plots were drawn."
-    for net in networks(comparison):
+    for net in comparison.networks():
         rows = comparison.rows_for(net)
         if plot_error:
             break
         plots[net] = []
         try:
             if any(r.time_ratio is not None for r in rows):
-                plots[net].append(plot_tradeoff(rows, out / f"tradeoff-{net}.png"))
+                plots[net].append(plot_tradeoff(rows, out / f"tradeoff-{file_stem(net)}.png"))
             if comparison.timelines.get(net):
                 plots[net].append(plot_timeline(net, comparison.timelines[net], rows[0].batch,
-                                                out / f"timeline-{net}.png"))
+                                                out / f"timeline-{file_stem(net)}.png"))
         except Exception as exc:  # a plot must not cost the tables
             plot_error = f"plotting failed: {type(exc).__name__}: {exc}"
     paths += [p for ps in plots.values() for p in ps]
@@ -259,20 +304,23 @@ def _header_lines(comparison: Comparison) -> list[str]:
     return lines
 
 
+TABLE1_NOTE = ("Shaped like Kusumoto et al. (2019) Table 1; MC = memory-centric, TC = time-centric, at the "
+               "smallest budget for which the solver finds a plan.")
+
+
 def render_markdown(comparison: Comparison, plots: dict[str, list[Path]], plot_error: str = "") -> str:
     parts = ["# fxplan compare", "", *_header_lines(comparison), "",
-             "## Peak memory at the paper batch (GiB, reduction against vanilla)", "",
-             "Shaped like Kusumoto et al. (2019) Table 1; MC = memory-centric, TC = time-centric, at the "
-             "smallest budget for which the solver finds a plan.", "",
-             _md_table(*table1(comparison)), "", METERS, ""]
+             "## Peak memory at the main batch (GiB, reduction against vanilla)", "", TABLE1_NOTE, "",
+             _md_table(*table1(comparison)), "", METERS, "", "## Columns of the per-network tables", ""]
+    parts += [f"- **{name}**: {text}" for name, text in COLUMNS]
+    parts.append("")
     if plot_error:
         parts += [f"Plots: {plot_error}", ""]
-    for net in networks(comparison):
+    for net in comparison.networks():
         rows = comparison.rows_for(net)
         parts += [f"## {net}", "",
-                  f"Paper batch {rows[0].batch} at {rows[0].input_size}²; real steps at batch "
-                  f"{rows[0].small_batch}, {rows[0].small_input_size}² ({rows[0].small_meter or 'no real step'}).",
-                  "", _md_table(DETAIL_HEADER, detail_rows(rows)), ""]
+                  f"Main batch {rows[0].batch} at {rows[0].input_label or rows[0].input_size}; {_real_steps(rows)}.",
+                  "", _md_table(detail_header(rows), detail_rows(rows)), ""]
         for p in plots.get(net, []):
             parts += [f"![{p.stem}]({p.name})", ""]
     return "\n".join(parts)
@@ -292,13 +340,19 @@ def render_html(comparison: Comparison, plots: dict[str, list[Path]], plot_error
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>fxplan compare</title>"
              f"<style>{style}</style></head><body><h1>fxplan compare</h1>"]
     parts += [f"<p>{html.escape(line).replace('`', '')}</p>" for line in _header_lines(comparison)]
-    parts += ["<h2>Peak memory at the paper batch (GiB, reduction against vanilla)</h2>",
-              _html_table(*table1(comparison)), f"<p>{html.escape(METERS)}</p>"]
+    parts += ["<h2>Peak memory at the main batch (GiB, reduction against vanilla)</h2>",
+              f"<p>{html.escape(TABLE1_NOTE)}</p>", _html_table(*table1(comparison)), f"<p>{html.escape(METERS)}</p>",
+              "<h2>Columns of the per-network tables</h2><ul>"]
+    parts += [f"<li><b>{html.escape(name)}</b>: {html.escape(text).replace('*', '')}</li>" for name, text in COLUMNS]
+    parts.append("</ul>")
     if plot_error:
         parts.append(f"<p>Plots: {html.escape(plot_error)}</p>")
-    for net in networks(comparison):
+    for net in comparison.networks():
         rows = comparison.rows_for(net)
-        parts += [f"<h2>{html.escape(net)}</h2>", _html_table(DETAIL_HEADER, detail_rows(rows))]
+        parts += [f"<h2>{html.escape(net)}</h2>",
+                  f"<p>Main batch {rows[0].batch} at {html.escape(rows[0].input_label)}; "
+                  f"{html.escape(_real_steps(rows))}.</p>",
+                  _html_table(detail_header(rows), detail_rows(rows))]
         for p in plots.get(net, []):
             data = base64.b64encode(p.read_bytes()).decode("ascii")
             parts.append(f"<p><img alt='{html.escape(p.stem)}' src='data:image/png;base64,{data}'></p>")

@@ -1,5 +1,6 @@
-"""Networks used by fxplan benchmarks, tests and CLI: the benchmarks of Kusumoto et al. (2019, Table 1)
-plus an LSTM language model for BPTT planning (Gruslys et al. 2016).
+"""Networks used by fxplan benchmarks, tests and CLI: the benchmarks of Kusumoto et al. (2019, Table 1),
+an LSTM language model for BPTT planning (Gruslys et al. 2016), and five Hugging Face transformers
+(:mod:`models_zoo.hf`; building them needs the optional transformers package).
 
 >>> import models_zoo
 >>> entry = models_zoo.get("resnet50")
@@ -7,83 +8,22 @@ plus an LSTM language model for BPTT planning (Gruslys et al. 2016).
 >>> (x,) = entry.example_inputs(batch_size=2, input_size=64)
 >>> entry.loss(model(x)).backward()
 
-See docs/zoo.md for the table of networks, node counts and parameter counts.
+See docs/zoo.md for the table of networks, node counts and parameter counts. :func:`resolve` also
+accepts torchvision builder names, ``timm:NAME`` and ``hf:NAME`` (:mod:`models_zoo.lookup`).
 """
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any
-
-import torch
-import torchvision
-from torch import Tensor
-
-from fxplan.errors import FxplanError
+from models_zoo import hf
 from models_zoo.entry import ZooEntry, synthetic_cross_entropy, synthetic_targets, weighted_cross_entropy
-from models_zoo.lstm_lm import VOCAB_SIZE, LSTMCore, LSTMLanguageModel, lm_loss
+from models_zoo.lookup import resolve, resolve_all
+from models_zoo.lstm_lm import LSTMCore, LSTMLanguageModel, lm_loss
 from models_zoo.pspnet import PSPNet
+from models_zoo.registry import get, names, paper_names, transformer_names
 from models_zoo.unet import UNet, unet_output_size
 
 __all__ = [
-    "LSTMCore", "LSTMLanguageModel", "PSPNet", "UNet", "ZooEntry", "get", "lm_loss", "names",
-    "synthetic_cross_entropy", "synthetic_targets", "unet_output_size", "weighted_cross_entropy",
+    "LSTMCore", "LSTMLanguageModel", "PSPNet", "UNet", "ZooEntry", "get", "hf", "lm_loss", "names", "paper_names",
+    "resolve", "resolve_all", "synthetic_cross_entropy", "synthetic_targets", "transformer_names",
+    "unet_output_size", "weighted_cross_entropy",
 ]
-
-
-def _tv(name: str, **kwargs: Any) -> torch.nn.Module:
-    return getattr(torchvision.models, name)(weights=None, **kwargs)
-
-
-def _token_inputs(entry: ZooEntry, batch: int, seq_len: int, device: Any) -> tuple[Tensor, ...]:
-    return (torch.randint(0, VOCAB_SIZE, (seq_len, batch), device=device),)
-
-
-_CE = weighted_cross_entropy(0.0)
-
-_ENTRIES: dict[str, ZooEntry] = {
-    e.name: e
-    for e in (
-        ZooEntry("resnet50", 96, 224, 176, "torchvision ResNet-50", partial(_tv, "resnet50"), _CE,
-                 quick_input_size=112),
-        ZooEntry("resnet152", 48, 224, 516, "torchvision ResNet-152", partial(_tv, "resnet152"), _CE,
-                 quick_input_size=112),
-        ZooEntry("vgg19", 64, 224, 46, "torchvision VGG-19 (no BatchNorm)", partial(_tv, "vgg19"), _CE,
-                 quick_input_size=112),
-        ZooEntry("densenet161", 32, 224, 568, "torchvision DenseNet-161", partial(_tv, "densenet161"), _CE,
-                 quick_input_size=112),
-        ZooEntry(
-            "googlenet", 256, 224, 134, "torchvision GoogLeNet with both auxiliary classifiers (train mode)",
-            partial(_tv, "googlenet", aux_logits=True, init_weights=True), weighted_cross_entropy(0.3),
-            quick_input_size=112,
-        ),
-        ZooEntry(
-            "unet", 8, 572, 60, "original U-Net: valid convolutions, 1 input channel, 2 classes",
-            UNet, weighted_cross_entropy(0.0), kind="segmentation", in_channels=1,
-            check_size=unet_output_size, quick_input_size=188,
-        ),
-        ZooEntry(
-            "pspnet", 2, 713, 385,
-            "PSPNet, dilated ResNet-101 (deep stem), PPM bins 1-2-3-6, aux head, 21 classes",
-            PSPNet, weighted_cross_entropy(0.4), kind="segmentation", min_batch=2, quick_input_size=113,
-        ),
-        ZooEntry(
-            "lstm_lm", 20, 512, None, "2-layer LSTM language model, vocab 10k, emb/hidden 650, dropout 0.5",
-            LSTMLanguageModel, lm_loss, kind="language", in_channels=0, make_inputs=_token_inputs,
-            quick_input_size=64,
-        ),
-    )
-}
-
-
-def names() -> list[str]:
-    """Names of all zoo networks: the seven image networks of Kusumoto et al.'s Table 1, then ``lstm_lm``."""
-    return list(_ENTRIES)
-
-
-def get(name: str) -> ZooEntry:
-    """The entry called ``name``; raises :class:`FxplanError` listing the valid names if there is none."""
-    try:
-        return _ENTRIES[name]
-    except (KeyError, TypeError):
-        raise FxplanError(f"unknown zoo model {name!r}; valid names: {', '.join(_ENTRIES)}") from None

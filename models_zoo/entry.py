@@ -74,6 +74,19 @@ def weighted_cross_entropy(aux_weight: float, class_dim: int = 1) -> Callable[[A
     return loss
 
 
+def build_on_meta(builder: Callable[[], nn.Module]) -> nn.Module:
+    """``builder()`` on the ``meta`` device: shapes only, nothing allocated.
+
+    A builder that reads values while it initialises (RegNet computes its widths from tensors) cannot run
+    on ``meta``; it is built on the CPU once and moved to ``meta``.
+    """
+    try:
+        with torch.device("meta"):
+            return builder()
+    except Exception:  # any failure on meta means the builder needs real values
+        return builder().to("meta")
+
+
 def _image_inputs(entry: ZooEntry, batch: int, size: int, device: Any) -> tuple[Tensor, ...]:
     return (torch.randn(batch, entry.in_channels, size, size, device=device),)
 
@@ -86,7 +99,13 @@ class ZooEntry:
     language model. ``paper_nodes`` is #V from Table 1 (``None`` where the paper has no such network).
     ``min_batch`` is the smallest batch the model trains with (BatchNorm on 1x1 maps needs 2).
     ``quick_input_size`` is a small input size the network accepts, for quick real steps (timing on a
-    CPU); ``None`` means the paper's size.
+    CPU); ``None`` means the paper's size. For networks outside Table 1, ``paper_batch`` is the default
+    batch (a realistic training batch for that model).
+
+    ``fake_only`` entries are too large to train for real on a small machine (e.g. a 1B-parameter
+    decoder): :meth:`build` makes the model on the ``meta`` device (shapes only, nothing allocated) and
+    :meth:`example_inputs` makes ``meta`` inputs by default, so the step can only be measured on fake
+    tensors (:func:`fxplan.measure_step` with ``fake=True`` converts both).
     """
 
     name: str
@@ -104,10 +123,14 @@ class ZooEntry:
     )
     check_size: Callable[[int], Any] | None = field(default=None, repr=False)
     quick_input_size: int | None = None
+    fake_only: bool = False
 
     def build(self) -> nn.Module:
-        """A fresh, randomly initialised model on the CPU in train mode (no weights are downloaded)."""
-        return self.builder().train()
+        """A fresh, randomly initialised model on the CPU in train mode (no weights are downloaded).
+
+        For a ``fake_only`` entry the model is built on the ``meta`` device instead (:func:`build_on_meta`).
+        """
+        return (build_on_meta(self.builder) if self.fake_only else self.builder()).train()
 
     def example_inputs(
         self, batch_size: int | None = None, input_size: int | None = None, *, device: Any = None
@@ -116,6 +139,7 @@ class ZooEntry:
 
         Uses the global RNG (seed it with ``torch.manual_seed`` for repeatable inputs). Raises
         :class:`FxplanError` for a batch below ``min_batch`` or an input size the network cannot take.
+        ``device`` defaults to the CPU, or to ``meta`` for a ``fake_only`` entry.
         """
         batch = self.paper_batch if batch_size is None else int(batch_size)
         size = self.input_size if input_size is None else int(input_size)
@@ -127,6 +151,8 @@ class ZooEntry:
             raise FxplanError(f"{self.name}: input_size must be positive, got {size}")
         if self.check_size is not None:
             self.check_size(size)
+        if device is None and self.fake_only:
+            device = "meta"
         return self.make_inputs(self, batch, size, device)
 
     def loss(self, output: Any) -> Tensor:

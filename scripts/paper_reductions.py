@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 import models_zoo
-from fxplan.cli import format_table
+from fxplan.console import format_table
 from fxplan.measure import GiB, measure_step
 
 #: Kusumoto et al. (2019), Table 1: best reduction over all their methods.

@@ -19,7 +19,7 @@ import torch
 
 import fxplan
 import models_zoo
-from fxplan.cli import format_table
+from fxplan.console import format_table
 from fxplan.measure import GiB, measure_step
 
 

@@ -14,7 +14,7 @@ import time
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models_zoo
-from fxplan.cli import format_table
+from fxplan.console import format_table
 from fxplan.measure import GiB, MiB, measure_step
 from fxplan.trace import trace
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -13,8 +12,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fxplan
-from fxplan import compare, peers
-from fxplan.compare import Method, MethodTimeout, Prepared, compare_network, default_methods, time_limit
+from fxplan import cli, peers
+from fxplan.compare import compare_network
+from fxplan.methods import Method, MethodTimeout, Prepared, default_methods, select_methods, time_limit
 
 
 class TinyChain(nn.Module):
@@ -184,33 +184,43 @@ def test_time_limit_interrupts():
 
 
 def test_parser_registers_compare():
-    parser = argparse.ArgumentParser(prog="fxplan")
-    sub = parser.add_subparsers(dest="command", required=True)
-    compare.add_compare_parser(sub)
-    args = parser.parse_args(["compare", "resnet50", "vgg19", "--batch-size", "8", "--out", "d"])
+    args = cli.build_parser().parse_args(["compare", "resnet50", "vgg19", "--batch-size", "8", "--out", "d",
+                                          "--methods", "approx-time,torch.compile", "--compile-budgets", "0.5"])
     assert args.models == ["resnet50", "vgg19"] and args.batch_size == 8 and args.out == "d"
-    assert args.func is compare.cmd_compare
+    assert args.methods == ["approx-time", "torch.compile"] and args.compile_budgets == (0.5,)
+    assert args.func is cli.cmd_compare
+    assert cli.compare_command_line(args) == ("fxplan compare resnet50 vgg19 --batch-size 8 --out d "
+                                              "--methods approx-time,torch.compile --compile-budgets 0.5")
 
 
-def test_cli_handler_writes_the_report(tmp_path, monkeypatch, capsys):
-    import models_zoo
+def test_select_methods_keeps_vanilla_first_and_expands_series():
+    methods = default_methods(compile_budgets=(0.5, 0.25), curve_points=(0.5,))
+    chosen = [m.name for m in select_methods(methods, ["torch.compile", "approx-time@0.5"])]
+    assert chosen == ["vanilla", "torch.compile@0.5", "torch.compile@0.25", "approx-time@0.5"]
+    with pytest.raises(fxplan.FxplanError, match="'nosuch'.*valid methods: vanilla"):
+        select_methods(methods, ["approx-time", "nosuch"])
+
+
+def _tiny_entry(monkeypatch):
+    from models_zoo import lookup
     from models_zoo.entry import ZooEntry
 
     tiny = ZooEntry("tiny", 8, 16, None, "test chain", TinyChain, loss)
-    real_get = models_zoo.get
-    monkeypatch.setattr(models_zoo, "get", lambda name: tiny if name == "tiny" else real_get(name))
-    parser = argparse.ArgumentParser(prog="fxplan")
-    compare.add_compare_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["compare", "tiny", "no-such-net", "--out", str(tmp_path), "--compile-budgets", "",
-                              "--curve-points", "", "--no-exact", "--repeats", "1", "--quiet"])
-    assert args.func(args) == 0
+    real = lookup.resolve
+    monkeypatch.setattr(lookup, "resolve", lambda name: tiny if name == "tiny" else real(name))
+
+
+def test_cli_handler_writes_the_report(tmp_path, monkeypatch, capsys):
+    _tiny_entry(monkeypatch)
+    code = cli.main(["compare", "tiny", "--out", str(tmp_path), "--compile-budgets", "", "--curve-points", "",
+                     "--no-exact", "--repeats", "1", "--quiet"])
+    assert code == 0
     doc = json.loads((tmp_path / "report.json").read_text())
-    methods = {(r["network"], r["method"]): r for r in doc["rows"]}
-    assert {"vanilla", "checkpoint_sequential", "chen", "approx-time", "approx-memory"} <= {
-        m for n, m in methods if n == "tiny"}
-    assert methods[("no-such-net", "vanilla")]["status"] == "error"
-    assert "no-such-net" in methods[("no-such-net", "vanilla")]["note"]
-    assert doc["meta"]["command"].startswith("fxplan compare tiny no-such-net")
+    methods = {r["method"]: r for r in doc["rows"]}
+    assert {"vanilla", "checkpoint_sequential", "chen", "approx-time", "approx-memory"} <= set(methods)
+    assert methods["hf-checkpointing"]["status"] == "not applicable"
+    assert doc["meta"]["command"] == (f"fxplan compare tiny --out {tmp_path} --repeats 1 --compile-budgets '' "
+                                      "--curve-points '' --no-exact")
     for name in ("report.md", "report.html"):
         assert (tmp_path / name).exists()
     try:
@@ -222,7 +232,42 @@ def test_cli_handler_writes_the_report(tmp_path, monkeypatch, capsys):
     assert "checkpoint_sequential" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not hasattr(fxplan, "rewrite"), reason="fxplan.rewrite has not landed in this checkout")
+def test_unknown_name_fails_before_any_work(tmp_path, monkeypatch, capsys):
+    """`compare tiny nosuch` must not measure tiny first (issue 12, point 8)."""
+    _tiny_entry(monkeypatch)
+    monkeypatch.setattr("fxplan.compare.compare_network", lambda *a, **k: pytest.fail("work started"))
+    assert cli.main(["compare", "tiny", "nosuch", "--out", str(tmp_path / "r"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown model 'nosuch'" in err
+    assert not (tmp_path / "r").exists()
+    assert cli.main(["compare", "tiny", "--methods", "approx-tim", "--out", str(tmp_path / "r"), "--quiet"]) == 1
+    assert "unknown method 'approx-tim'" in capsys.readouterr().err
+
+
+def test_only_requested_method_failing_is_a_nonzero_exit(tmp_path, monkeypatch, capsys):
+    _tiny_entry(monkeypatch)
+    args = ["compare", "tiny", "--out", str(tmp_path), "--repeats", "1", "--quiet"]
+    assert cli.main([*args, "--methods", "hf-checkpointing"]) == 1  # not a transformers model
+    assert "hf-checkpointing did not work on tiny" in capsys.readouterr().err
+    assert cli.main([*args, "--methods", "checkpoint_sequential"]) == 0
+
+
+def test_fake_only_network_is_measured_on_fake_tensors_only():
+    """A model built on the meta device: main-batch peaks only; torch.compile cannot apply."""
+    with torch.device("meta"):
+        model = TinyChain()
+    methods = [m for m in default_methods(compile_budgets=(0.5,), curve_points=())
+               if m.name in ("vanilla", "checkpoint_sequential", "torch.compile@0.5")]
+    rows, _ = compare_network("meta", model, loss, lambda b, s: (torch.randn(b, 3, s, s, device="meta"),),
+                              batch=16, input_size=32, small_batch=2, small_input_size=16, methods=methods,
+                              real_steps=False)
+    by = {r.method: r for r in rows}
+    assert by["vanilla"].status == "ok" and by["vanilla"].peak_bytes > 0 and by["vanilla"].small_batch == 0
+    assert by["checkpoint_sequential"].peak_bytes < by["vanilla"].peak_bytes
+    assert by["checkpoint_sequential"].step_seconds is None and by["checkpoint_sequential"].small_peak_bytes is None
+    assert by["torch.compile@0.5"].status == "not applicable"
+
+
 def test_fxplan_rows_use_the_real_planner():
     methods = [m for m in default_methods(compile_budgets=(), curve_points=(0.5,))
                if m.name in ("vanilla", "approx-time", "approx-time@0.5")]

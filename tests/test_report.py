@@ -25,7 +25,7 @@ def comparison():
              note="one step at batch 32 (fake tensors): RuntimeError: modified by an inplace operation"),
         _row("torch.compile@0.5", "peer", None, 300 << 20, 1.2, small_reduction=0.25, time_ratio=1.2),
         _row("approx-time", "fxplan", 4 * GiB, 250 << 20, 1.3, reduction=0.5, small_reduction=0.375,
-             time_ratio=1.3, recompute_fraction=0.3, planned_recompute_fraction=0.28),
+             time_ratio=1.3, step_spread=0.08, recompute_fraction=0.3, planned_recompute_fraction=0.28),
         _row("approx-time@0.5", "fxplan", 6 * GiB, 320 << 20, 1.1, reduction=0.25, small_reduction=0.2,
              time_ratio=1.1, main=False),
         _row("exact-time", "fxplan", None, None, None, status="timed out", note="timed out after 120 s (planning)"),
@@ -63,7 +63,18 @@ def test_table1_cells(comparison):
     assert cells["ExactDP+TC"] == "timed out"
     assert cells["checkpoint_sequential"] == "crashed"
     assert cells["Chen"] == "error"
-    assert cells["ExactDP+MC"] == "not run"
+    assert "ExactDP+MC" not in header and "HF checkpointing" not in header  # no network ran them
+
+
+def test_table1_marks_a_method_run_on_another_network_only(comparison):
+    comparison.rows.append(Row("gpt", "vanilla", "baseline", batch=8, input_size=1024, input_label="seq 1024",
+                               peak_bytes=2 * GiB))
+    comparison.rows.append(Row("gpt", "hf-checkpointing", "peer", batch=8, input_size=1024, peak_bytes=GiB,
+                               reduction=0.5))
+    header, rows = table1(comparison)
+    cells = {row[0]: dict(zip(header, row)) for row in rows}
+    assert cells["gpt"]["input, batch"] == "seq 1024, 8" and cells["gpt"]["HF checkpointing"] == "1.00 (-50%)"
+    assert cells["net"]["HF checkpointing"] == "not run" and cells["gpt"]["Chen"] == "not run"
 
 
 def test_markdown_and_html_carry_failures_and_plots(comparison, tmp_path):
@@ -71,6 +82,10 @@ def test_markdown_and_html_carry_failures_and_plots(comparison, tmp_path):
     write_report(comparison, tmp_path)
     md = (tmp_path / "report.md").read_text()
     assert "Table 1" in md and "`fxplan compare net`" in md
+    assert "| method | status | peak GiB @batch 32 |" in md and "peak MiB @batch 4" in md
+    for column in ("step-time ratio", "predicted peak GiB", "NAME@P"):  # every column is explained
+        assert f"{column}" in md.split("## net")[0]
+    assert "1.30x (spread 8%)" in md and "1.20x |" in md  # torch.compile's row has no spread recorded
     assert "modified by an inplace operation" in md and "timed out after 120 s" in md
     assert "![tradeoff-net](tradeoff-net.png)" in md
     page = (tmp_path / "report.html").read_text()

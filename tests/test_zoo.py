@@ -58,10 +58,11 @@ def compute_nodes(gm: torch.fx.GraphModule) -> int:
 
 
 def test_names_and_unknown_name():
-    assert models_zoo.names() == ALL_NETS
+    assert models_zoo.paper_names() == ALL_NETS
+    assert models_zoo.names() == ALL_NETS + models_zoo.transformer_names()
     with pytest.raises(FxplanError) as info:
         models_zoo.get("resnet5O")
-    for name in ALL_NETS:
+    for name in models_zoo.names():
         assert name in str(info.value)
 
 
@@ -252,7 +253,7 @@ def test_lstm_core_shares_parameters_and_matches_model(built):
         model.train()
 
 
-@pytest.mark.parametrize("name", models_zoo.names())
+@pytest.mark.parametrize("name", ALL_NETS)
 def test_quick_input_size_is_accepted(name):
     entry = models_zoo.get(name)
     size = entry.quick_input_size or entry.input_size

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 import fxplan
 import models_zoo
+from fxplan.errors import TraceError
 from fxplan.measure import GiB, measure_step
 from fxplan.trace import COMPUTE_OPS
 
@@ -46,9 +47,21 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, exact: bool, what: str) -> Non
         assert torch.equal(a, b), what
 
 
-@pytest.mark.parametrize("name", models_zoo.names())
+def _tiny_transformer(name: str) -> pytest.param:
+    """A zoo transformer at tiny sizes; fxplan reaches transformers only with the capture stage (issue 9,
+    point 1): until it lands, rewriting raises TraceError, and then this test shows XPASS."""
+    reason = "transformers need fxplan's capture stage (torch.export); symbolic_trace cannot take them"
+    return pytest.param(f"tiny:{name}", marks=pytest.mark.xfail(raises=TraceError, reason=reason, strict=False))
+
+
+@pytest.mark.parametrize("name", models_zoo.paper_names()
+                         + [_tiny_transformer(n) for n in models_zoo.transformer_names()])
 def test_zoo_network_rewritten_at_two_budgets(name):
-    entry = models_zoo.get(name)
+    if name.startswith("tiny:"):
+        pytest.importorskip("transformers")
+        entry = models_zoo.hf.tiny_entry(name.removeprefix("tiny:"))
+    else:
+        entry = models_zoo.get(name)
     torch.manual_seed(0)
     original = entry.build()
     inputs = entry.example_inputs(batch_size=max(2, entry.min_batch), input_size=entry.quick_input_size)

@@ -1,0 +1,135 @@
+"""The zoo's Hugging Face transformers: sizes, losses, Hugging Face checkpointing as a peer, compare rows.
+
+Tests run the models at tiny sizes (``models_zoo.hf.tiny_entry``: 2 layers, width 32) and build the
+published sizes only on the meta device, so each test takes seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import models_zoo
+from fxplan import peers
+from fxplan.compare import compare_network
+from fxplan.measure import measure_step
+from fxplan.methods import default_methods, select_methods
+from models_zoo import hf
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# Published parameter counts (millions) of the models the entries reproduce.
+PUBLISHED = {"gpt2_small": 124, "llama_1b": 1100, "bert_base": 110, "t5_small": 60, "vit_base_16": 86}
+# Logits shape for batch 2 at the tiny entries' default size.
+TINY_LOGITS = {"gpt2_small": (2, 16, 128), "llama_1b": (2, 16, 128), "bert_base": (2, 16, 128),
+               "t5_small": (2, 4, 128), "vit_base_16": (2, 10)}
+
+
+@pytest.mark.parametrize("name", models_zoo.transformer_names())
+def test_published_sizes_on_meta(name):
+    entry = models_zoo.get(name)
+    with torch.device("meta"):
+        model = hf.ZOO[name][0].build()
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    assert abs(millions - PUBLISHED[name]) <= 0.1 * PUBLISHED[name], millions
+    assert entry.fake_only == (name == "llama_1b")
+    assert model.config.use_cache is False if hasattr(model.config, "use_cache") else True
+
+
+@pytest.mark.parametrize("name", models_zoo.transformer_names())
+def test_tiny_model_trains_with_its_loss(name):
+    entry = hf.tiny_entry(name)
+    torch.manual_seed(0)
+    model = entry.build()
+    assert model.training and not entry.fake_only
+    inputs = entry.example_inputs()
+    out = model(*inputs)
+    assert tuple(hf.output_logits(out).shape) == TINY_LOGITS[name]
+    rng = torch.random.get_rng_state()
+    loss = entry.loss(out)
+    assert torch.equal(rng, torch.random.get_rng_state())  # synthetic labels draw no random numbers
+    assert loss.shape == () and math.isfinite(loss.item())
+    loss.backward()
+    assert sum(p.grad is not None for p in model.parameters()) >= 0.9 * len(list(model.parameters()))
+
+
+def test_causal_lm_loss_is_next_token_cross_entropy_without_the_last_position():
+    logits = torch.randn(2, 5, 7)
+    targets = hf.synthetic_targets(logits, class_dim=-1)
+    manual = F.cross_entropy(logits[:, :-1].reshape(-1, 7), targets[:, 1:].reshape(-1))
+    torch.testing.assert_close(hf.causal_lm_loss(logits), manual)
+
+
+def test_masked_lm_loss_labels_fifteen_percent():
+    logits = torch.zeros(4, 50, 11, requires_grad=True)
+    hf.masked_lm_loss(logits).backward()
+    labelled = (logits.grad.abs().sum(-1) > 0).float().mean().item()
+    assert labelled == pytest.approx(0.15, abs=0.01)
+
+
+@pytest.mark.parametrize("name", ["gpt2_small", "t5_small", "vit_base_16"])
+def test_hf_checkpointing_peer_shares_parameters_and_gives_the_same_step(name):
+    entry = hf.tiny_entry(name)
+    torch.manual_seed(0)
+    model = entry.build().eval()  # no dropout: both steps must be equal
+    peer = peers.hf_checkpointing_peer(model)
+    assert {id(p) for p in peer.parameters()} == {id(p) for p in model.parameters()}
+    def checkpointing(m):
+        return any(getattr(sub, "gradient_checkpointing", False) for sub in m.modules())
+
+    assert checkpointing(peer) and not checkpointing(model)
+    inputs = entry.example_inputs()
+    reference = copy.deepcopy(model)
+    entry.loss(reference(*inputs)).backward()
+    with torch.enable_grad():
+        peer.train(False)
+        entry.loss(peer(*inputs)).backward()
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=pname)
+
+
+def test_hf_checkpointing_is_not_applicable_to_other_models():
+    with pytest.raises(peers.NotApplicable, match="not a Hugging Face"):
+        peers.hf_checkpointing_peer(torch.nn.Linear(2, 2))
+
+
+def test_llama_1b_is_measured_on_fake_tensors_and_checkpointing_lowers_its_peak():
+    """The 1.1B decoder is built on meta; the fake meter sees Hugging Face's recomputation."""
+    entry = models_zoo.get("llama_1b")
+    model = entry.build()
+    assert next(model.parameters()).device.type == "meta"
+    with FakeTensorMode():
+        inputs = entry.example_inputs(batch_size=1)  # 2048 tokens
+    vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert vanilla.breakdown["parameters"] == params and vanilla.peak_bytes > 2 * params  # + gradients
+    checkpointed = measure_step(peers.hf_checkpointing_peer(model), inputs, fake=True, loss_fn=entry.loss)
+    assert 2 * params < checkpointed.peak_bytes < 0.5 * vanilla.peak_bytes
+
+
+def test_compare_rows_for_a_transformer():
+    """Vanilla and Hugging Face checkpointing are measured (fake main batch, real small batch); an fxplan row
+    is either a measured plan or, while fxplan cannot capture transformers, an error row that says so."""
+    entry = hf.tiny_entry("gpt2_small")
+    torch.manual_seed(0)
+    methods = select_methods(default_methods(compile_budgets=(), curve_points=()),
+                             ["hf-checkpointing", "checkpoint_sequential", "approx-time"])
+    rows, _ = compare_network("tiny-gpt2", entry.build(), entry.loss,
+                              lambda b, s: entry.example_inputs(b, s), batch=4, input_size=64, small_batch=2,
+                              small_input_size=16, methods=methods, repeats=1, input_label="seq 64")
+    by = {r.method: r for r in rows}
+    assert [r.method for r in rows] == ["vanilla", "checkpoint_sequential", "hf-checkpointing", "approx-time"]
+    for name in ("vanilla", "hf-checkpointing"):
+        assert by[name].status == "ok", by[name].note
+        assert by[name].peak_bytes and by[name].small_peak_bytes and by[name].step_seconds
+    assert by["hf-checkpointing"].peak_bytes < by["vanilla"].peak_bytes
+    assert by["hf-checkpointing"].recompute_fraction > 0.5
+    assert by["checkpoint_sequential"].status == "not applicable"
+    fx = by["approx-time"]
+    assert fx.status == "ok" or (fx.status == "error" and "TraceError" in fx.note), fx.note
