@@ -171,6 +171,15 @@ def measure_step(
 ) -> StepStats:
     """Measure the peak bytes and wall time of one forward + backward of ``model`` on ``example_inputs``.
 
+    The step is the one a training loop runs, in the state the model is in::
+
+        out = model(*example_inputs); loss = loss_fn(out); loss.backward()
+
+    with ``out`` still referenced while backward runs, and with the gradients the model already
+    holds (``.grad`` of its parameters, e.g. when gradients are accumulated over steps without
+    ``zero_grad``) counted from the start and added into, as autograd does. A model whose ``.grad``
+    are None (after ``zero_grad()``) gets new ones during backward.
+
     The step runs on a private copy of the model, so the caller's parameters, gradients and buffers
     (e.g. BatchNorm running statistics) are left untouched. With ``fake=True`` the copy and the inputs
     are fake tensors and nothing is allocated; the peak is exact all the same. On CUDA models (not fake)
@@ -188,8 +197,22 @@ def measure_step(
             return _measure_tracked(fake_model, fake_inputs, loss_fn, timeline, "fake tensors")
     device = _device_of(model, inputs)
     if device.type == "cuda":
-        return _measure_cuda(copy.deepcopy(model), inputs, loss_fn, device)
-    return _measure_tracked(copy.deepcopy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
+        return _measure_cuda(real_copy(model), inputs, loss_fn, device)
+    return _measure_tracked(real_copy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
+
+
+def real_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """``copy.deepcopy(model)`` with the parameters' ``.grad`` copied too (deepcopy drops them)."""
+    out = copy.deepcopy(model)
+    for p, q in zip(model.parameters(), out.parameters()):
+        if p.grad is not None and q.grad is None:
+            q.grad = p.grad.detach().clone()
+    return out
+
+
+def existing_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients the model's parameters hold now (each storage once)."""
+    return [p.grad for p in model.parameters() if p.grad is not None]
 
 
 def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> StepStats:
@@ -200,19 +223,22 @@ def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> Step
         tracker.register(p, "parameters")
     for b in model.buffers():
         tracker.register(b, "buffers")
+    for g in existing_grads(model):
+        tracker.register(g, "gradients")
     for t in tree_leaves(inputs):
         if isinstance(t, torch.Tensor):
             tracker.register(t, "inputs")
     start = time.perf_counter()
     with tracker:
         tracker.phase = "activations"
-        loss = loss_fn(model(*inputs[0], **inputs[1]))
+        out = model(*inputs[0], **inputs[1])
+        loss = loss_fn(out)
         tracker.phase = BACKWARD
-        loss.backward()
-        del loss
+        loss.backward()  # ``out`` is still referenced, as in a training loop
+        del loss, out
     seconds = time.perf_counter() - start
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return StepStats(tracker.peak_bytes, _breakdown_at_peak(tracker, grads), seconds, meter, tracker.timeline)
+    return StepStats(tracker.peak_bytes, _breakdown_at_peak(tracker, existing_grads(model)), seconds, meter,
+                     tracker.timeline)
 
 
 def _breakdown_at_peak(tracker: StorageTracker, grads: list[torch.Tensor]) -> dict[str, int]:
@@ -232,20 +258,23 @@ def _measure_cuda(model, inputs, loss_fn, device: torch.device) -> StepStats:
     base = torch.cuda.memory_allocated(device)
     resident = resident_bytes(model, inputs)
     start = time.perf_counter()
-    loss = loss_fn(model(*inputs[0], **inputs[1]))
+    out = model(*inputs[0], **inputs[1])
+    loss = loss_fn(out)
     loss.backward()
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    del loss
+    del loss, out
     peak = torch.cuda.max_memory_allocated(device) - base + resident
     breakdown = {"parameters": resident, "activations": peak - resident}
     return StepStats(peak, breakdown, seconds, "cuda allocator")
 
 
 def resident_bytes(model: torch.nn.Module, inputs) -> int:
-    """Bytes of the distinct storages of the model's parameters and buffers and of the inputs."""
+    """Bytes of the distinct storages of the model's parameters, their existing gradients, its buffers
+    and the inputs: what a step holds from its start."""
     seen: dict[int, int] = {}
-    tensors = [*model.parameters(), *model.buffers(), *[t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]]
+    tensors = [*model.parameters(), *existing_grads(model), *model.buffers(),
+               *[t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]]
     for t in tensors:
         s = t.untyped_storage()
         seen[s._cdata] = s.nbytes()
@@ -267,18 +296,32 @@ def fake_mode_of(model: torch.nn.Module, inputs) -> FakeTensorMode:
 
 
 def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters and buffers are fake tensors (nothing real is allocated).
+    """A private copy of ``model`` whose parameters and buffers are fake tensors of ``fake_mode``.
 
-    The copy has the same structure (and, for a GraphModule, the same graph and node names).
+    The copy has the same structure (and, for a GraphModule, the same graph and node names), and the
+    parameters' ``.grad``, where set, as fake tensors too. Nothing real is allocated. A model that is
+    fake already gets new fake tensors of the same shapes (``copy.deepcopy`` of a fake tensor would
+    put it in a new fake mode, which cannot be mixed with the inputs').
     """
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        if not isinstance(p, FakeTensor):
-            memo[id(p)] = torch.nn.Parameter(fake_mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+        if id(p) not in memo:
+            fake = torch.nn.Parameter(_fresh(p.detach(), fake_mode), requires_grad=p.requires_grad)
+            if p.grad is not None:
+                fake.grad = _fresh(p.grad, fake_mode)
+            memo[id(p)] = fake
     for b in model.buffers():
-        if not isinstance(b, FakeTensor):
-            memo[id(b)] = fake_mode.from_tensor(b)
+        if id(b) not in memo:
+            memo[id(b)] = _fresh(b, fake_mode)
     return copy.deepcopy(model, memo)
+
+
+def _fresh(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
+    """A fake tensor of ``fake_mode`` like ``t`` (real or fake), sharing nothing with it."""
+    if isinstance(t, FakeTensor):
+        with fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return fake_mode.from_tensor(t)
 
 
 def to_fake(inputs: Any, fake_mode: FakeTensorMode) -> Any:
@@ -310,7 +353,7 @@ def measure_step_profiler(
 
     Runs on a private copy of ``model``; see :func:`profiled_step_peak`.
     """
-    model = copy.deepcopy(model)
+    model = real_copy(model)
     start = time.perf_counter()
     peak = profiled_step_peak(model, example_inputs, loss_fn or default_loss)
     return StepStats(peak, {}, time.perf_counter() - start, "torch.profiler allocation events")
@@ -329,9 +372,10 @@ def profiled_step_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[A
     call = as_call(inputs)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
-        loss = loss_fn(model(*call.args, **call.kwargs))
-        loss.backward()
-        del loss
+        out = model(*call.args, **call.kwargs)
+        loss = loss_fn(out)
+        loss.backward()  # with ``out`` referenced, as in a training loop
+        del loss, out
     current = peak = 0
     for _, action, _, size in prof._memory_profile().timeline:
         if action in (Action.PREEXISTING, Action.CREATE):
