@@ -25,9 +25,9 @@ def _worker(rank: int, init_file: str, result_dir: str) -> None:
 
     sys.path.insert(0, os.path.dirname(__file__))
     from test_reach import hf_model
+    from torch.distributed.fsdp import fully_shard
 
     import fxplan
-    from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
