@@ -329,7 +329,7 @@ def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
             # Constants export made up (lifted tensors, no_grad region bodies) live at the root under
             # names of their own, wherever export put them.
             name = f"_fxplan_constant_{len(constants)}"
-            constants[name] = _resolve(exported, str(node.target))
+            constants[name] = resolve_attr(exported, str(node.target))
             node.target = name
     gm = owning_graph_module(model, graph, constants)
     gm.graph.lint()
@@ -351,7 +351,8 @@ def _without_objects(value: Any) -> Any:
     return value
 
 
-def _resolve(root: torch.nn.Module, target: str) -> Any:
+def resolve_attr(root: torch.nn.Module, target: str) -> Any:
+    """The attribute a dotted get_attr/call_module target names, looked up from ``root``."""
     value: Any = root
     for atom in target.split("."):
         value = getattr(value, atom)

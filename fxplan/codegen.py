@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from fxplan import effects
-from fxplan.capture import owning_graph_module
+from fxplan.capture import owning_graph_module, resolve_attr
 from fxplan.errors import FxplanError
 from fxplan.recompute import Segment
 
@@ -445,7 +445,7 @@ def segment_module(
     root: dict[str, Any] = dict(seg_modules)
     for u in top.nodes:
         if u.op == "get_attr":
-            root[str(u.target)] = _resolve(gm, str(u.target))
+            root[str(u.target)] = resolve_attr(gm, str(u.target))
     out = SegmentedModule(root, top, gm._get_name())
     # Own the original module tree, parameters and buffers under their original names.
     out.__dict__["_modules"] = {**gm._modules, **seg_modules}
@@ -472,10 +472,3 @@ def segment_module(
         seg.training = gm.training
         seg._set_owner(out)
     return out
-
-
-def _resolve(root: torch.nn.Module, target: str) -> Any:
-    obj: Any = root
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
