@@ -58,7 +58,11 @@ DEFAULT_TIME_LIMIT = 600.0
 """Seconds after which the exact DP's search engine gives up (FxplanError) unless told otherwise."""
 
 DEFAULT_MAX_STATES = 4_000_000
-"""Lower sets plus DP states the exact DP may hold at once (about 1 GB); beyond it, an FxplanError."""
+"""Lower sets plus DP states (or moves, in the family engine) the exact DP may hold at once (about 1 GB);
+beyond it, an FxplanError that says to use the approximate DP."""
+
+APPROX_MAX_MOVES = 30_000_000
+"""Moves the approximate DP may price at once (about 1.2 GB); beyond it, an FxplanError."""
 
 
 # ------------------------------------------------------------------------------------------ fronts
@@ -91,6 +95,7 @@ class Context:
     bm: BoundModel
     families: dict = field(default_factory=dict)
     moves: dict = field(default_factory=dict)
+    move_limit: dict = field(default_factory=dict)
 
     def family(self, exact: bool, max_sets: int | None = None) -> Family | None:
         """The pruned family {L_v} (section 4.3), or all lower sets (None if more than ``max_sets``)."""
@@ -168,7 +173,7 @@ def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, ta
     wkey = ("lb", id(ctx.bm))
     if wkey not in fam.cache:
         fam.cache[wkey] = fam.sums(np.asarray(ctx.bm.lb_weights()[0], dtype=np.float64))
-    pi, pj = fam.moves(fam.cache[wkey], cap, sources, targets)
+    pi, pj = fam.moves(fam.cache[wkey], cap, sources, targets, ctx.move_limit.get(id(fam), APPROX_MAX_MOVES))
     F, G, H = ctx.bm.pair_costs(fam, pi, pj)
     mv = _Moves(pi, pj, F, G, H)
     if np.isfinite(cap):
@@ -513,7 +518,10 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
     if not exact:
         fam = ctx.family(False)
     elif engine != "search":
-        fam = ctx.family(True, FAMILY_LIMIT if engine == "auto" else max_states)
+        limit = max_states if engine == "family" else min(FAMILY_LIMIT, max_states or FAMILY_LIMIT)
+        fam = ctx.family(True, limit)
+        if fam is not None:
+            ctx.move_limit[id(fam)] = max_states
         if fam is None:
             if engine == "family":
                 raise _too_big("lower sets", max_states)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fxplan.errors import FxplanError
 from fxplan.lowersets import GraphIndex, iter_bits
 
 #: Pairs expanded at once when listing candidate moves (bounds the temporary arrays).
@@ -203,10 +204,13 @@ class Family:
         miss = ~self.member(pj[rep], self.mx_node[flat])
         return np.bincount(rep[miss], minlength=len(pi)) == 0
 
-    def moves(self, weight: np.ndarray, cap: float, sources: np.ndarray, targets: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
+    def moves(self, weight: np.ndarray, cap: float, sources: np.ndarray, targets: np.ndarray | None = None,
+              limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """All pairs (i, j), i in ``sources``, j in ``targets`` (default: all), with L_i ⊊ L_j and
-        weight[j] - weight[i] ≤ cap, sorted by j then i. ``weight`` must grow with the set."""
+        weight[j] - weight[i] ≤ cap, sorted by j then i. ``weight`` must grow with the set.
+
+        Raises :class:`FxplanError` if more than ``limit`` candidate pairs would be examined.
+        """
         tol = 1e-9 * (float(np.abs(weight).max()) + 1.0)
         if targets is None:
             tgt = np.arange(self.S)
@@ -220,6 +224,11 @@ class Family:
             np.full(len(sources), len(ws), dtype=np.int64)
         lens = hi - lo
         ends = np.cumsum(lens)
+        if limit is not None and len(ends) and ends[-1] > limit:
+            raise FxplanError(
+                f"the DP would examine {int(ends[-1]):,} moves between {self.S:,} lower sets, more than the "
+                f"{limit:,} allowed (memory); give a smaller budget, or use the approximate DP for exact=True"
+            )
         out_i, out_j = [], []
         start = 0
         while start < len(sources):
