@@ -294,10 +294,11 @@ class Family:
         read = np.logical_or.reduceat(inside, starts)
         saved = None
         if saver_pairs is not None:
-            keys = u * n + w
-            pos = np.minimum(np.searchsorted(saver_pairs, keys), max(len(saver_pairs) - 1, 0))
-            is_saver = (saver_pairs[pos] == keys) if len(saver_pairs) else np.zeros(len(keys), bool)
-            saved = np.logical_or.reduceat(inside & is_saver & ~in_rstar[oe_bd[flat]], starts)
+            key = ("saver_edges", id(saver_pairs))
+            if key not in self.cache:  # per leaving edge: w saves u, and u is not saved inside the set yet
+                keys = oe_u * n + oe_w
+                self.cache[key] = (saver_pairs, np.isin(keys, saver_pairs) & ~in_rstar[oe_bd])
+            saved = np.logical_or.reduceat(inside & self.cache[key][1][flat], starts)
         return rep[starts], u[starts], stays, read, saved
 
     @property
