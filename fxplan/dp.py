@@ -16,16 +16,26 @@ One move L → L' costs (F, G, H) from the memory model (:mod:`fxplan.memory_mod
 Instead of the paper's dense table ``opt[L, t]``, each lower set keeps its Pareto front: the states not
 dominated in (a, m) (a state with no better objective and no less cache is useless, section 4.2).
 
+The "peak" objective needs no front: with cache m at L, the least peak any completion reaches is m + ψ(L),
+since the cache held adds to every later move alike, so ψ(∅) (the smallest budget) is a single-label
+bottleneck DP run backwards from V (:func:`_bottleneck`); ψ also prunes, in the other two DPs, every state
+that no completion fits in the budget.
+
 Two engines:
 
 * the *family* engine (approximate DP over the pruned family {L_v}, and exact DP when the graph has at most
-  ``FAMILY_LIMIT`` lower sets) evaluates the move costs of every pair of sets at once with numpy
-  (:meth:`BoundModel.pair_matrices`) and then fills each set's front from all states of its subsets in one
-  vectorised step;
-* the *search* engine (exact DP on big lattices such as googlenet's ~327,000 lower sets) never forms pairs:
+  ``FAMILY_LIMIT`` lower sets) lists only the moves whose segment can fit the budget, from an additive
+  lower bound on F, and prices them with numpy (:class:`~fxplan.family.Family`,
+  :meth:`BoundModel.pair_costs`); the forward DP fills each set's front from all states of its sources in
+  one vectorised step. Without a budget ("peak", or "time" with a large one) it runs coarse to fine: a
+  sub-family's plan bounds the optimum and so the moves and states the next pass needs.
+* the *search* engine (exact DP on big lattices such as googlenet's ~280,000 lower sets) never forms pairs:
   from each reached lower set it enumerates only the supersets whose new segment can fit the budget, by a
   depth-first search that grows the segment and stops as soon as a lower bound on its cost (monotone in the
   segment) exceeds the budget.
+
+Both exact engines stop with an :class:`FxplanError` (use the approximate DP) beyond ``max_states`` lower
+sets, states or moves, and the search engine after ``time_limit`` seconds.
 """
 
 from __future__ import annotations

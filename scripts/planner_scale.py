@@ -8,7 +8,8 @@ The network is ``blocks`` residual blocks LayerNorm → Linear → GELU → Line
 fresh child process, so its time includes building the planner's index and its peak RSS is its own;
 "current" and "reference" (the engine of git revision ``--reference``, loaded by reference_engine.py)
 alternate, and the median and range over ``--repeats`` runs are printed. Peak RSS includes torch, which
-``import fxplan`` loads (about 700 MB); "+N" is what the solve added to the child's peak. Solves: min budget
+``import fxplan`` loads (about 700 MB) and the loaded graph; "+N" is the peak RSS during the solve minus
+the RSS before it (the kernel's peak mark is reset just before the solve). Solves: min budget
 (``dp.min_budget_bytes``), the memory-centric plan, and the time-centric plan at the minimum budget and
 at 50% of the single-segment peak.
 """
@@ -68,12 +69,12 @@ def child(graph: str, engine: str, solve: str) -> None:
         from reference_engine import load
 
         dp = load(engine)
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     vanilla = None
     if solve == "tc_50":
         vanilla = dp.solve(cg, None).predicted_peak_bytes
         if hasattr(dp, "_CONTEXTS"):
             dp._CONTEXTS.clear()  # time the solve from scratch
+    base_rss = _reset_peak_rss()
     t0 = time.perf_counter()
     if solve == "min":
         out = {"peak": dp.min_budget_bytes(cg), "segments": None}
@@ -86,9 +87,25 @@ def child(graph: str, engine: str, solve: str) -> None:
             plan = dp.solve(cg, int(0.5 * vanilla))
         out = {"peak": plan.predicted_peak_bytes, "segments": plan.num_segments}
     out["seconds"] = time.perf_counter() - t0
-    out["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["rss_mb"] = _status_mb("VmHWM")
     out["added_mb"] = out["rss_mb"] - base_rss
     print(json.dumps(out))
+
+
+def _status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_peak_rss() -> float:
+    """Reset the kernel's peak-RSS mark (Linux clear_refs 5), so VmHWM afterwards is the solve's; current RSS."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return _status_mb("VmRSS")
 
 
 def run_child(graph: Path, engine: str, solve: str, timeout: float) -> dict:
