@@ -106,6 +106,7 @@ class Context:
     families: dict = field(default_factory=dict)
     moves: dict = field(default_factory=dict)
     move_limit: dict = field(default_factory=dict)
+    psi: dict = field(default_factory=dict)  # per family: (cap, ψ over the whole family's moves with F ≤ cap)
 
     def family(self, exact: bool, max_sets: int | None = None) -> Family | None:
         """The pruned family {L_v} (section 4.3), or all lower sets (None if more than ``max_sets``)."""
@@ -320,6 +321,8 @@ def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
     for sub in _levels(fam.S):
         mv = _priced_moves(ctx, fam, cap, sub, sub)
         psi, nxt = _bottleneck(fam, sub, mv)
+        if len(sub) == fam.S:
+            ctx.psi[id(fam)] = (cap, psi)
         chain, k = [], int(sub[0])
         while k != sub[-1]:
             k = int(nxt[k])
@@ -352,7 +355,11 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None)
             live = hsum[sub] <= bound + _EPS + 1e-9 * bound
             sources, targets = sub[live], sub[live | (sub == S - 1)]
         mv = _priced_moves(ctx, fam, cap, sources, targets)
-        psi = None if budget is None else _bottleneck(fam, sub, mv)[0]
+        psi = None
+        if budget is not None:
+            # ψ over more moves (a larger cap) is no larger, so it prunes less but never wrongly
+            held = ctx.psi.get(id(fam))
+            psi = held[1] if held is not None and held[0] >= cap else _bottleneck(fam, sub, mv)[0]
         found = _family_dp(fam, sub, mv, objective, budget, bound if np.isfinite(bound) else None, psi)
         if found is not None:
             chain = found
