@@ -331,13 +331,37 @@ def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
     return chain
 
 
+def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, targets: np.ndarray,
+                   hsum: np.ndarray) -> _Moves:
+    """The moves the "time" DP needs: into a set reachable from ∅ in one move that fits, only that move.
+
+    Every plan reaching L caches at least ∂(L) (each member of ∂(L) is on the boundary of the segment that
+    computes it), which is what the move from ∅ caches, and has overhead at least Σ_{v∈L} h(v). Where the
+    move from ∅ reaches both bounds, its state dominates every other candidate at L (and comes first, so
+    it is what the full DP keeps too): the other moves into L can be left out. At a large budget this turns
+    #sets² moves into #sets.
+    """
+    tg = targets[targets != 0]
+    F0, G0, H0 = ctx.bm.pair_costs(fam, np.zeros(len(tg), dtype=np.int64), tg)
+    settled = (H0 <= hsum[tg] + _EPS + 1e-9 * np.abs(hsum[tg])) & (F0 <= cap + _EPS)
+    if not settled.any():
+        return _priced_moves(ctx, fam, cap, sources, targets)
+    rest = _priced_moves(ctx, fam, cap, sources, tg[~settled])
+    first = _Moves(np.zeros(int(settled.sum()), dtype=np.int64), tg[settled], F0[settled], G0[settled],
+                   H0[settled])
+    both = _Moves(*(np.concatenate([x, y]) for x, y in zip(
+        (rest.pi, rest.pj, rest.F, rest.G, rest.H), (first.pi, first.pj, first.F, first.G, first.H))))
+    return both.restrict(np.lexsort((both.pi, both.pj)))
+
+
 def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None) -> list[int] | None:
     """One DP over ``fam``: "peak" by :func:`_min_peak_chain`, "memory" and "time" by :func:`_family_dp`.
 
     With a budget, only the moves that fit it are listed and :func:`_bottleneck` prunes states that cannot
     finish within it. "time" runs coarse to fine like :func:`_min_peak_chain`: a sub-family's plan bounds
     the least overhead, and sets whose overhead lower bound (Σ of the model's ``h_weights``) exceeds it are
-    left out of the next pass.
+    left out of the next pass; sets that one move from ∅ reaches optimally get only that move
+    (:func:`_settled_moves`).
     """
     if objective == "peak":
         return _min_peak_chain(ctx, fam)
@@ -354,7 +378,11 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None)
                 hsum = fam.sums(ctx.bm.h_weights())
             live = hsum[sub] <= bound + _EPS + 1e-9 * bound
             sources, targets = sub[live], sub[live | (sub == S - 1)]
-        mv = _priced_moves(ctx, fam, cap, sources, targets)
+        if objective == "time":
+            hsum = fam.sums(ctx.bm.h_weights()) if hsum is None else hsum
+            mv = _settled_moves(ctx, fam, cap, sources, targets, hsum)
+        else:
+            mv = _priced_moves(ctx, fam, cap, sources, targets)
         psi = None
         if budget is not None:
             # ψ over more moves (a larger cap) is no larger, so it prunes less but never wrongly

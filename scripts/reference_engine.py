@@ -7,12 +7,14 @@ those modules use are unchanged.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(os.environ.get("FXPLAN_REPO", Path(__file__).resolve().parent.parent))
+"""The git checkout to read earlier revisions from (``FXPLAN_REPO`` overrides, e.g. for a copied tree)."""
 
 
 def load(rev: str) -> types.ModuleType:
