@@ -200,6 +200,10 @@ class Family:
     # -- moves -------------------------------------------------------------------------------------------------
     def subset(self, pi: np.ndarray, pj: np.ndarray) -> np.ndarray:
         """L_i ⊆ L_j for pairs with |L_i| < |L_j|: every maximal member of L_i is in L_j."""
+        lens = self.mx_ptr[pi + 1] - self.mx_ptr[pi]
+        if not len(pi) or lens.max() <= 1:  # ∅, or one maximal member (every L_v): one lookup
+            node = self.mx_node[np.minimum(self.mx_ptr[pi], len(self.mx_node) - 1)]
+            return (lens == 0) | self.member(pj, node)
         rep, flat = expand(self.mx_ptr, pi)
         miss = ~self.member(pj[rep], self.mx_node[flat])
         return np.bincount(rep[miss], minlength=len(pi)) == 0
