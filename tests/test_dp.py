@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_dp import reference_solve
 
-from fxplan import dp
+from fxplan import dp, family_dp
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.family import Family
@@ -236,8 +236,8 @@ def wider_dags(draw, max_nodes: int = 14):
 def test_sparse_engine_gives_the_dense_engines_plans(cg, model, exact, factor, coarse):
     """Same smallest budget and the same plans (segments) as the dense engine the sparse one replaced."""
     exact = exact and cg.number_of_nodes() <= 9  # the oracle prices every pair of the lattice in Python
-    old = dp.COARSE_SETS
-    dp.COARSE_SETS = coarse  # force coarse-to-fine passes even on small graphs
+    old = family_dp.COARSE_SETS
+    family_dp.COARSE_SETS = coarse  # force coarse-to-fine passes even on small graphs
     try:
         chain, b_min = reference_solve(cg, None, strategy="memory", exact=exact, memory_model=model)
         assert dp.min_budget_bytes(cg, exact=exact, memory_model=model) == b_min
@@ -249,7 +249,7 @@ def test_sparse_engine_gives_the_dense_engines_plans(cg, model, exact, factor, c
         got = dp.solve(cg, budget, exact=exact, memory_model=model)
         assert [ix.mask(s) for s in got.lower_sets] == want
     finally:
-        dp.COARSE_SETS = old
+        family_dp.COARSE_SETS = old
 
 
 def test_context_follows_graph_changes():
