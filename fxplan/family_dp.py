@@ -25,6 +25,9 @@ from fxplan.memory_model import BoundModel, get_model
 COARSE_SETS = 256
 """The coarse-to-fine passes start from a sub-family of about this many sets (see :func:`_family_run`)."""
 
+LEVEL_STEP = 8
+"""Each coarse-to-fine pass keeps every LEVEL_STEP-th set of the next finer one."""
+
 _EPS = 1e-6
 
 APPROX_MAX_MOVES = 30_000_000
@@ -250,10 +253,10 @@ def _family_dp(fam: Family, sub: np.ndarray, mv: _Moves, objective: str, budget:
 
 
 def _levels(S: int) -> list[np.ndarray]:
-    """Sub-families for coarse-to-fine passes: every 8^k-th set (∅ and V always), coarsest first."""
+    """Sub-families for coarse-to-fine passes: every LEVEL_STEP^k-th set (∅ and V always), coarsest first."""
     steps = [1]
     while S // steps[-1] > COARSE_SETS:
-        steps.append(steps[-1] * 8)
+        steps.append(steps[-1] * LEVEL_STEP)
     return [np.unique(np.concatenate([np.arange(0, S, step), [S - 1]])) for step in reversed(steps)]
 
 
