@@ -25,6 +25,9 @@ from fxplan.memory_model import BoundModel, get_model
 COARSE_SETS = 256
 """The coarse-to-fine passes start from a sub-family of about this many sets (see :func:`_family_run`)."""
 
+PRICE_CHUNK = 1 << 19
+"""Moves priced at once (bounds the temporary arrays of ``pair_costs``)."""
+
 LEVEL_STEP = 8
 """Each coarse-to-fine pass keeps every LEVEL_STEP-th set of the next finer one."""
 
@@ -144,10 +147,12 @@ def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, ta
     if wkey not in fam.cache:
         fam.cache[wkey] = fam.sums(np.asarray(ctx.bm.lb_weights()[0], dtype=np.float64))
     pi, pj = fam.moves(fam.cache[wkey], cap, sources, targets, ctx.move_limit.get(id(fam), APPROX_MAX_MOVES))
-    F, G, H = ctx.bm.pair_costs(fam, pi, pj)
-    mv = _Moves(pi, pj, F, G, H)
-    if np.isfinite(cap):
-        mv = mv.restrict(F <= cap + _EPS)
+    parts = []
+    for lo in range(0, max(len(pi), 1), PRICE_CHUNK):  # chunks bound the pricing's temporary arrays
+        ci, cj = pi[lo:lo + PRICE_CHUNK], pj[lo:lo + PRICE_CHUNK]
+        part = _Moves(ci, cj, *ctx.bm.pair_costs(fam, ci, cj))
+        parts.append(part.restrict(part.F <= cap + _EPS) if np.isfinite(cap) else part)
+    mv = _Moves(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("pi", "pj", "F", "G", "H")))
     if len(sources) == len(targets) == fam.S:
         ctx.moves[id(fam)] = (cap, mv)
     return mv
