@@ -21,7 +21,8 @@ import numpy as np
 
 from fxplan.bptt import solvers
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_engine import ROOT  # noqa: E402  (the git checkout, FXPLAN_REPO overrides)
 POLICIES = {"hsm": (True, None, None), "ism": (False, 1, 1), "msm": (True, 5, 4)}
 
 
