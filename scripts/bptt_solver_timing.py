@@ -23,6 +23,7 @@ from fxplan.bptt import solvers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_engine import ROOT  # noqa: E402  (the git checkout, FXPLAN_REPO overrides)
+
 POLICIES = {"hsm": (True, None, None), "ism": (False, 1, 1), "msm": (True, 5, 4)}
 
 
