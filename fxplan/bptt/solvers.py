@@ -25,9 +25,11 @@ Memory units and what the DP guarantees (checked by :mod:`fxplan.bptt.schedule`)
                  one does not (as in HSM), so ``C(t, 1) = t(t+1)/2`` and ``C(t, m >= alpha*t) = t``.
 
 The rows are computed one sequence length ``t`` at a time, vectorised over all memory sizes with numpy.
-A cheap feasible candidate ``UB`` (the best ``y = 1`` choice) bounds the useful positions: every
-candidate satisfies ``Q >= t + y - 1``, so ``y <= UB - t + 1``. For large memory the bound is tiny,
-which keeps t = 1000 with thousands of units well under a second.
+Positions ``2 <= y < t``: where the columns ``C(., m)`` involved are convex in ``t`` (HSM and ISM; checked
+as the rows fill, not assumed) the cost is convex in ``y`` and its smallest minimiser never decreases with
+``t``, so a walk from the previous minimiser finds it in O(1) amortised steps (the speed-up the paper's
+appendix A mentions). Elsewhere (MSM, whose columns are not convex) every position is scanned, bounded by
+``Q >= t + y - 1`` with the best ``y = 1`` choice as upper bound.
 """
 
 from __future__ import annotations
