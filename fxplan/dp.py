@@ -62,8 +62,11 @@ DEFAULT_TIME_LIMIT = 600.0
 """Seconds after which the exact DP's search engine gives up (FxplanError) unless told otherwise."""
 
 DEFAULT_MAX_STATES = 4_000_000
-"""Lower sets plus DP states (or moves, in the family engine) the exact DP may hold at once (about 1 GB);
-beyond it, an FxplanError that says to use the approximate DP."""
+"""Lower sets plus DP states the exact DP may hold at once (about 1 GB; the family engine may list
+``MOVES_PER_STATE`` times as many moves, about 40 bytes each); beyond it, an FxplanError that says to use
+the approximate DP."""
+
+MOVES_PER_STATE = 6
 
 
 # ------------------------------------------------------------------------------------------ search engine
@@ -236,7 +239,7 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
         limit = max_states if engine == "family" else min(FAMILY_LIMIT, max_states or FAMILY_LIMIT)
         fam = ctx.family(True, limit)
         if fam is not None:
-            ctx.move_limit[id(fam)] = max_states
+            ctx.move_limit[id(fam)] = None if max_states is None else MOVES_PER_STATE * max_states
         if fam is None:
             if engine == "family":
                 raise _too_big("lower sets", max_states)

@@ -231,7 +231,8 @@ class Family:
         if limit is not None and len(ends) and ends[-1] > limit:
             raise FxplanError(
                 f"the DP would examine {int(ends[-1]):,} moves between {self.S:,} lower sets, more than the "
-                f"{limit:,} allowed (memory); give a smaller budget, or use the approximate DP for exact=True"
+                f"{limit:,} allowed (memory); use the approximate DP (solver='approx', exact=False), or a smaller "
+                "budget, or raise dp.solve's max_states"
             )
         out_i, out_j = [], []
         start = 0

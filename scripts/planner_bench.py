@@ -7,7 +7,8 @@ Usage: python scripts/planner_bench.py [--nets resnet50,vgg19,...] [--model auto
 Each network is traced under FakeTensorMode (nothing allocated). "vanilla" is the memory model's peak of
 the plan with one segment (no recomputation); the time-centric plans (approximate and exact DP) and Chen's
 greedy plan are asked for ``fraction`` × vanilla. MC = memory-centric (smallest feasible budget).
-The exact DP is stopped after ``--exact-limit`` seconds per solve (reported as ">limit").
+The exact DP is stopped after ``--exact-limit`` seconds per solve ("timeout"), or refuses a lattice over
+its memory cap (``dp.DEFAULT_MAX_STATES``, "refused").
 With ``--reference REV`` every DP solve is also run by the engine of git revision REV
 (scripts/reference_engine.py), right after the current one, and its seconds are shown after a slash
 ("=" when it found the same plan, "≠" when not).
@@ -40,8 +41,8 @@ def timed(fn):
         out = fn()
     except BudgetError as err:
         return "infeasible", time.perf_counter() - t0, err
-    except FxplanError as err:  # the exact DP's time limit
-        return "timeout", time.perf_counter() - t0, err
+    except FxplanError as err:  # the exact DP's time limit, or its memory cap
+        return ("timeout" if "stopped after" in str(err) else "refused (memory cap)"), time.perf_counter() - t0, err
     return out, time.perf_counter() - t0, None
 
 
