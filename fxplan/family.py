@@ -61,7 +61,8 @@ class Family:
     """
 
     def __init__(self, ix: GraphIndex, sets: list[int], bases: list[int] | None = None):
-        """``bases[k]``: index of a subset of ``sets[k]`` earlier in ``sets`` (-1: none), else found here."""
+        """``bases[k]``: index of a subset of ``sets[k]`` earlier in ``sets`` (-1: none); by default the set
+        minus its highest node where that is in ``sets`` (all lower sets), else none."""
         self.ix = ix
         self.sets = sets
         self.S = S = len(sets)
@@ -76,28 +77,16 @@ class Family:
         self.first_out = np.array([(~s & (s + 1)).bit_length() - 1 for s in sets], dtype=np.int64)
         index = {s: k for k, s in enumerate(sets)} if bases is None else {}
         dsucc_l = [list(iter_bits(m)) for m in ix.dsucc]
-        succ, anc, pred = ix.succ, ix.anc, ix.pred
+        succ = ix.succ
         base = np.full(S, -1, dtype=np.int64)
         extras: list[list[int]] = []
         bds: list[list[int]] = []
         mxs: list[list[int]] = []
         for k, (X, xb) in enumerate(zip(sets, rows)):
-            b = -1
             if bases is not None:
                 b = bases[k]
-            elif X:
-                top = X.bit_length() - 1
-                b = index.get(X ^ (1 << top), -1)
-                if b < 0:
-                    # X = L_top (or V): the largest closure of a maximal member's predecessor, or of another
-                    # maximal member, is an earlier set of the pruned family
-                    heads = [top] if X == anc[top] else [u for u in iter_bits(X) if not succ[u] & X]
-                    best = 0
-                    for h in heads:
-                        for c in ([anc[h]] if X != anc[h] else []) + [anc[p] for p in iter_bits(pred[h])]:
-                            if c.bit_count() > best.bit_count() and c in index and c & ~X == 0:
-                                best = c
-                    b = index[best] if best in index else -1
+            else:  # the set without its highest node (always there in the full lattice), else none
+                b = index.get(X ^ (1 << (X.bit_length() - 1)), -1) if X else -1
             base[k] = b
             B = sets[b] if b >= 0 else 0
             extra = list(iter_bits(X & ~B))
