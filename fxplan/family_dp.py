@@ -332,18 +332,15 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None)
     S = fam.S
     cap = math.inf if budget is None else float(budget)
     levels = [np.arange(S)] if objective == "memory" else _levels(S)
-    bound = math.inf
-    hsum = None
+    bound = math.inf  # stays inf for "memory": only "time" bounds its objective
+    hsum = fam.sums(ctx.bm.h_weights()) if objective == "time" else None
     chain = None
     for sub in levels:
         sources = targets = sub
         if np.isfinite(bound):
-            if hsum is None:
-                hsum = fam.sums(ctx.bm.h_weights())
             live = hsum[sub] <= bound + _EPS + 1e-9 * bound
             sources, targets = sub[live], sub[live | (sub == S - 1)]
         if objective == "time":
-            hsum = fam.sums(ctx.bm.h_weights()) if hsum is None else hsum
             mv = _settled_moves(ctx, fam, cap, sources, targets, hsum)
         else:
             mv = _priced_moves(ctx, fam, cap, sources, targets)
