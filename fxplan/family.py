@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fxplan.errors import FxplanError
 from fxplan.lowersets import GraphIndex, iter_bits
 
 #: Pairs expanded at once when listing candidate moves (bounds the temporary arrays).
@@ -60,7 +61,8 @@ class Family:
     """
 
     def __init__(self, ix: GraphIndex, sets: list[int], bases: list[int] | None = None):
-        """``bases[k]``: index of a subset of ``sets[k]`` earlier in ``sets`` (-1: none), else found here."""
+        """``bases[k]``: index of a subset of ``sets[k]`` earlier in ``sets`` (-1: none); by default the set
+        minus its highest node where that is in ``sets`` (all lower sets), else none."""
         self.ix = ix
         self.sets = sets
         self.S = S = len(sets)
@@ -75,28 +77,16 @@ class Family:
         self.first_out = np.array([(~s & (s + 1)).bit_length() - 1 for s in sets], dtype=np.int64)
         index = {s: k for k, s in enumerate(sets)} if bases is None else {}
         dsucc_l = [list(iter_bits(m)) for m in ix.dsucc]
-        succ, anc, pred = ix.succ, ix.anc, ix.pred
+        succ = ix.succ
         base = np.full(S, -1, dtype=np.int64)
         extras: list[list[int]] = []
         bds: list[list[int]] = []
         mxs: list[list[int]] = []
         for k, (X, xb) in enumerate(zip(sets, rows)):
-            b = -1
             if bases is not None:
                 b = bases[k]
-            elif X:
-                top = X.bit_length() - 1
-                b = index.get(X ^ (1 << top), -1)
-                if b < 0:
-                    # X = L_top (or V): the largest closure of a maximal member's predecessor, or of another
-                    # maximal member, is an earlier set of the pruned family
-                    heads = [top] if X == anc[top] else [u for u in iter_bits(X) if not succ[u] & X]
-                    best = 0
-                    for h in heads:
-                        for c in ([anc[h]] if X != anc[h] else []) + [anc[p] for p in iter_bits(pred[h])]:
-                            if c.bit_count() > best.bit_count() and c in index and c & ~X == 0:
-                                best = c
-                    b = index[best] if best in index else -1
+            else:  # the set without its highest node (always there in the full lattice), else none
+                b = index.get(X ^ (1 << (X.bit_length() - 1)), -1) if X else -1
             base[k] = b
             B = sets[b] if b >= 0 else 0
             extra = list(iter_bits(X & ~B))
@@ -199,14 +189,21 @@ class Family:
     # -- moves -------------------------------------------------------------------------------------------------
     def subset(self, pi: np.ndarray, pj: np.ndarray) -> np.ndarray:
         """L_i ⊆ L_j for pairs with |L_i| < |L_j|: every maximal member of L_i is in L_j."""
+        lens = self.mx_ptr[pi + 1] - self.mx_ptr[pi]
+        if not len(pi) or lens.max() <= 1:  # ∅, or one maximal member (every L_v): one lookup
+            node = self.mx_node[np.minimum(self.mx_ptr[pi], len(self.mx_node) - 1)]
+            return (lens == 0) | self.member(pj, node)
         rep, flat = expand(self.mx_ptr, pi)
         miss = ~self.member(pj[rep], self.mx_node[flat])
         return np.bincount(rep[miss], minlength=len(pi)) == 0
 
-    def moves(self, weight: np.ndarray, cap: float, sources: np.ndarray, targets: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
+    def moves(self, weight: np.ndarray, cap: float, sources: np.ndarray, targets: np.ndarray | None = None,
+              limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """All pairs (i, j), i in ``sources``, j in ``targets`` (default: all), with L_i ⊊ L_j and
-        weight[j] - weight[i] ≤ cap, sorted by j then i. ``weight`` must grow with the set."""
+        weight[j] - weight[i] ≤ cap, sorted by j then i. ``weight`` must grow with the set.
+
+        Raises :class:`FxplanError` if more than ``limit`` candidate pairs would be examined.
+        """
         tol = 1e-9 * (float(np.abs(weight).max()) + 1.0)
         if targets is None:
             tgt = np.arange(self.S)
@@ -220,6 +217,12 @@ class Family:
             np.full(len(sources), len(ws), dtype=np.int64)
         lens = hi - lo
         ends = np.cumsum(lens)
+        if limit is not None and len(ends) and ends[-1] > limit:
+            raise FxplanError(
+                f"the DP would examine {int(ends[-1]):,} moves between {self.S:,} lower sets, more than the "
+                f"{limit:,} allowed (memory); use the approximate DP (solver='approx', exact=False), or a smaller "
+                "budget, or raise dp.solve's max_states"
+            )
         out_i, out_j = [], []
         start = 0
         while start < len(sources):
@@ -285,10 +288,11 @@ class Family:
         read = np.logical_or.reduceat(inside, starts)
         saved = None
         if saver_pairs is not None:
-            keys = u * n + w
-            pos = np.minimum(np.searchsorted(saver_pairs, keys), max(len(saver_pairs) - 1, 0))
-            is_saver = (saver_pairs[pos] == keys) if len(saver_pairs) else np.zeros(len(keys), bool)
-            saved = np.logical_or.reduceat(inside & is_saver & ~in_rstar[oe_bd[flat]], starts)
+            key = ("saver_edges", id(saver_pairs))
+            if key not in self.cache:  # per leaving edge: w saves u, and u is not saved inside the set yet
+                keys = oe_u * n + oe_w
+                self.cache[key] = (saver_pairs, np.isin(keys, saver_pairs) & ~in_rstar[oe_bd])
+            saved = np.logical_or.reduceat(inside & self.cache[key][1][flat], starts)
         return rep[starts], u[starts], stays, read, saved
 
     @property

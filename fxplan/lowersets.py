@@ -131,13 +131,6 @@ class GraphIndex:
         raw = np.frombuffer(mask.to_bytes((self.n + 7) // 8, "little"), dtype=np.uint8)
         return np.flatnonzero(np.unpackbits(raw, bitorder="little"))
 
-    def to_matrix(self, masks: list[int]) -> np.ndarray:
-        """Boolean matrix (len(masks) × n): row r is the indicator vector of ``masks[r]``."""
-        nbytes = (self.n + 7) // 8
-        buf = b"".join(m.to_bytes(nbytes, "little") for m in masks)
-        raw = np.frombuffer(buf, dtype=np.uint8).reshape(len(masks), nbytes)
-        return np.unpackbits(raw, axis=1, bitorder="little")[:, : self.n].astype(bool)
-
     # -- set functions of section 2 ----------------------------------------------------------------------
     def is_lower(self, mask: int) -> bool:
         """True if no edge enters ``mask`` from outside (δ⁻(L) ⊆ L)."""

@@ -301,17 +301,19 @@ class _BoundAutograd(BoundModel):
         _, TA, SXA, MB, MRA, savers, tau = self._family_terms(fam)
         P = len(pi)
         # u ∈ ∂(L) stays on ∂(L') if a consumer is outside L'; V' reads it if a consumer is inside L';
-        # it joins R if a member of V' saves it
+        # it joins R if a member of V' saves it. F = M(R) + S(V') + out·out_g + in·in_g + tr·max τ with
+        # M(R) = MR*(L') - MR*(L) - (saved members of ∂(L)), out_g = M(∂L') - (members of ∂L staying)
+        key = ("per-set F", id(self))
+        if key not in fam.cache:
+            fam.cache[key] = (MRA + SXA + c.out_grad * MB, MRA + SXA)
+        into, out_of = fam.cache[key]
         pair, u, stays, read, saved = fam.boundary_runs(pi, pj, *savers)
         Mu = ix.M_np[u]
         kept = np.bincount(pair, weights=Mu * stays, minlength=P)
-        in_g = np.bincount(pair, weights=Mu * read, minlength=P)
-        r_in = np.bincount(pair, weights=Mu * saved, minlength=P)
-        MR = MRA[pj] - (MRA[pi] + r_in)
-        out_g = MB[pj] - kept
-        SX = SXA[pj] - SXA[pi]
+        rest = np.bincount(pair, weights=Mu * (c.in_grad * read - saved), minlength=P)
         trans = fam.max_new(tau, pi, pj)
-        F = MR + SX + c.out_grad * out_g + c.in_grad * in_g + c.transient * trans
+        F = into[pj] - out_of[pi] - c.out_grad * kept + rest + c.transient * trans
+        out_g = MB[pj] - kept
         H = TA[pj] - TA[pi]
         if fam.sets[-1] == ix.full:
             H[pj == fam.S - 1] = 0.0  # the last segment is not recomputed

@@ -2,11 +2,16 @@
 
 Usage: python scripts/planner_bench.py [--nets resnet50,vgg19,...] [--model autograd|paper]
                                        [--exact-limit SECONDS] [--fraction 0.5] [--no-exact-tc]
+                                       [--reference REV]
 
 Each network is traced under FakeTensorMode (nothing allocated). "vanilla" is the memory model's peak of
 the plan with one segment (no recomputation); the time-centric plans (approximate and exact DP) and Chen's
 greedy plan are asked for ``fraction`` × vanilla. MC = memory-centric (smallest feasible budget).
-The exact DP is stopped after ``--exact-limit`` seconds per solve (reported as ">limit").
+The exact DP is stopped after ``--exact-limit`` seconds per solve ("timeout"), or refuses a lattice over
+its memory cap (``dp.DEFAULT_MAX_STATES``, "refused").
+With ``--reference REV`` every DP solve is also run by the engine of git revision REV
+(scripts/reference_engine.py), right after the current one, and its seconds are shown after a slash
+("=" when it found the same plan, "≠" when not).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -28,25 +34,32 @@ GiB = float(1 << 30)
 
 
 def timed(fn):
+    if hasattr(dp, "_CONTEXTS"):
+        dp._CONTEXTS.clear()  # every solve from scratch
     t0 = time.perf_counter()
     try:
         out = fn()
     except BudgetError as err:
         return "infeasible", time.perf_counter() - t0, err
-    except FxplanError as err:  # the exact DP's time limit
-        return "timeout", time.perf_counter() - t0, err
+    except FxplanError as err:  # the exact DP's time limit, or its memory cap
+        return ("timeout" if "stopped after" in str(err) else "refused (memory cap)"), time.perf_counter() - t0, err
     return out, time.perf_counter() - t0, None
 
 
-def fmt_plan(res) -> str:
+def fmt_plan(res, ref=None) -> str:
     out, secs, _ = res
+    tail = ""
+    if ref is not None:
+        same = (isinstance(out, str) and out == ref[0]) or (
+            not isinstance(out, str) and not isinstance(ref[0], str) and out.segments == ref[0].segments)
+        tail = f" / {ref[1]:.2f}s {'=' if same else '≠'}"
     if isinstance(out, str):
-        return f"{out} ({secs:.2f}s)"
+        return f"{out} ({secs:.2f}s{tail})"
     return (f"{out.predicted_peak_bytes / GiB:.2f} GiB, {out.num_segments} seg, "
-            f"rec {100 * out.recompute_fraction:.0f}% ({secs:.2f}s)")
+            f"rec {100 * out.recompute_fraction:.0f}% ({secs:.2f}s{tail})")
 
 
-def bench(name: str, model: str, exact_limit: float, fraction: float, exact_tc: bool = True) -> dict:
+def bench(name: str, model: str, exact_limit: float, fraction: float, exact_tc: bool = True, ref=None) -> dict:
     entry = models_zoo.get(name)
     net = entry.build()
     with FakeTensorMode():
@@ -59,12 +72,20 @@ def bench(name: str, model: str, exact_limit: float, fraction: float, exact_tc: 
     vanilla = dp.solve(cg, None, memory_model=model).predicted_peak_bytes
     budget = int(fraction * vanilla)
     row = dict(net=name, batch=entry.paper_batch, V=ix.n, L=n_lower, enum=t_enum, vanilla=vanilla / GiB)
-    row["approx_mc"] = timed(lambda: dp.solve(cg, None, strategy="memory", memory_model=model))
-    row["approx_tc"] = timed(lambda: dp.solve(cg, budget, memory_model=model))
-    row["exact_mc"] = timed(lambda: dp.solve(cg, None, strategy="memory", exact=True, memory_model=model,
-                                             time_limit=exact_limit))
-    row["exact_tc"] = timed(lambda: dp.solve(cg, budget, exact=True, memory_model=model,
-                                             time_limit=exact_limit)) if exact_tc else ("skipped", 0.0, None)
+    solves = {
+        "approx_mc": lambda m: m.solve(cg, None, strategy="memory", memory_model=model),
+        "approx_tc": lambda m: m.solve(cg, budget, memory_model=model),
+        "exact_mc": lambda m: m.solve(cg, None, strategy="memory", exact=True, memory_model=model,
+                                      time_limit=exact_limit),
+        "exact_tc": lambda m: m.solve(cg, budget, exact=True, memory_model=model, time_limit=exact_limit),
+    }
+    for key, fn in solves.items():
+        if key == "exact_tc" and not exact_tc:
+            row[key] = ("skipped", 0.0, None)
+            continue
+        row[key] = timed(lambda fn=fn: fn(dp))
+        if ref is not None:
+            row[key + "_ref"] = timed(lambda fn=fn: fn(ref))
     row["chen"] = timed(lambda: chen.solve(cg, budget, variant="greedy", memory_model=model))
     row["chen_free"] = timed(lambda: chen.solve(cg, None, variant="greedy", memory_model=model))
     return row
@@ -77,7 +98,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--exact-limit", type=float, default=60.0)
     p.add_argument("--fraction", type=float, default=0.5)
     p.add_argument("--no-exact-tc", action="store_true", help="skip the exact time-centric solve")
+    p.add_argument("--reference", default=None, help="git revision whose engine also runs every DP solve")
     args = p.parse_args(argv)
+    ref = None
+    if args.reference:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from reference_engine import load
+
+        ref = load(args.reference)
     cols = ["network", "batch", "#V", "#L", "enum s", "vanilla GiB", "ApproxDP+MC", "ExactDP+MC",
             f"ApproxDP+TC @{args.fraction:.0%}", f"ExactDP+TC @{args.fraction:.0%}",
             f"Chen greedy @{args.fraction:.0%}", "Chen greedy (min peak)"]
@@ -85,9 +113,9 @@ def main(argv: list[str]) -> None:
     print("|" + "---|" * len(cols))
     for name in args.nets.split(","):
         print(f"benchmarking {name} ...", file=sys.stderr, flush=True)
-        r = bench(name, args.model, args.exact_limit, args.fraction, not args.no_exact_tc)
+        r = bench(name, args.model, args.exact_limit, args.fraction, not args.no_exact_tc, ref)
         cells = [r["net"], str(r["batch"]), str(r["V"]), str(r["L"]), f"{r['enum']:.2f}",
-                 f"{r['vanilla']:.2f}"] + [fmt_plan(r[k]) for k in
+                 f"{r['vanilla']:.2f}"] + [fmt_plan(r[k], r.get(k + "_ref")) for k in
                                            ("approx_mc", "exact_mc", "approx_tc", "exact_tc", "chen",
                                             "chen_free")]
         print("| " + " | ".join(cells) + " |", flush=True)

@@ -1,28 +1,30 @@
-"""Load the planner engine (fxplan.dp and fxplan.memory_model) of an earlier commit beside the current one.
+"""Load the planner engine (fxplan.lowersets, memory_model and dp) of an earlier commit beside the current one.
 
 Benchmarks print "before" and "after" from one process: ``load("35c586f")`` returns that commit's ``dp``
-module, importing the rest of fxplan (lowersets, plans, errors) from the working tree, whose interfaces
-those modules use are unchanged.
+module, with its lowersets and memory_model; costgraph, plans and errors come from the working tree.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(os.environ.get("FXPLAN_REPO", Path(__file__).resolve().parent.parent))
+"""The git checkout to read earlier revisions from (``FXPLAN_REPO`` overrides, e.g. for a copied tree)."""
 
 
 def load(rev: str) -> types.ModuleType:
-    """The ``fxplan.dp`` module of git revision ``rev`` (its memory_model alongside)."""
+    """The ``fxplan.dp`` module of git revision ``rev`` (its lowersets and memory_model alongside)."""
     mods = {}
-    for short in ("memory_model", "dp"):
+    for short in ("lowersets", "memory_model", "dp"):
         name = f"fxplan_{rev}_{short}"
         src = subprocess.run(["git", "show", f"{rev}:fxplan/{short}.py"], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout
-        src = src.replace("from fxplan.memory_model", f"from fxplan_{rev}_memory_model")
+        for dep in ("lowersets", "memory_model"):
+            src = src.replace(f"from fxplan.{dep} ", f"from fxplan_{rev}_{dep} ")
         mod = types.ModuleType(name)
         sys.modules[name] = mod
         exec(compile(src, f"{rev}:fxplan/{short}.py", "exec"), mod.__dict__)

@@ -123,6 +123,17 @@ def test_matches_brute_force(policy, alpha, beta):
             assert optimal_cost(policy, t, m, alpha=alpha, beta=beta) == C(t, m)
 
 
+@pytest.mark.parametrize("args", [(True, None, None), (False, 1, 1), (True, 3, 2), (True, 5, 4)])
+def test_convexity_walk_gives_the_scans_tables(args):
+    """The O(1)-per-entry walk (where the columns are convex) gives the exhaustive scan's C, D and H."""
+    from fxplan.bptt.solvers import _solve_dp
+
+    for T, M in ((200, 40), (120, 90)):
+        walked, scanned = _solve_dp(T, M, *args), _solve_dp(T, M, *args, walk=False)
+        for a, b in zip(walked, scanned):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_upper_bound_appendix_b():
     # Proposition 1: C(t, m) <= m t^(1 + 1/m) for BPTT-HSM.
     p = solve("hsm", 300, 12)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference_dp import reference_solve
 
-from fxplan import dp
+from fxplan import dp, family_dp
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.family import Family
@@ -219,3 +220,52 @@ def test_search_engine_move_costs_agree_with_transition(cg, model):
             seen.append(Lp)
             assert (F, G, H) == pytest.approx(bm.transition(L, Lp))
         assert sorted(seen) == sorted(supersets_of(ix, L)), "with no budget every superset is visited"
+
+
+@st.composite
+def wider_dags(draw, max_nodes: int = 14):
+    """Random DAGs with skips and fan-out, large enough for the coarse-to-fine passes and dense counts."""
+    cg = draw(small_dags(max_nodes=max_nodes))
+    for v in list(cg.nodes)[::3]:
+        cg.nodes[v]["saves_output"] = draw(st.booleans())
+    return cg
+
+
+@settings(max_examples=50, deadline=None)
+@given(wider_dags(), st.sampled_from(MODELS), st.booleans(), st.floats(1.0, 2.5), st.integers(1, 3))
+def test_sparse_engine_gives_the_dense_engines_plans(cg, model, exact, factor, coarse):
+    """Same smallest budget and the same plans (segments) as the dense engine the sparse one replaced."""
+    exact = exact and cg.number_of_nodes() <= 9  # the oracle prices every pair of the lattice in Python
+    old = family_dp.COARSE_SETS
+    family_dp.COARSE_SETS = coarse  # force coarse-to-fine passes even on small graphs
+    try:
+        chain, b_min = reference_solve(cg, None, strategy="memory", exact=exact, memory_model=model)
+        assert dp.min_budget_bytes(cg, exact=exact, memory_model=model) == b_min
+        mc = dp.solve(cg, None, strategy="memory", exact=exact, memory_model=model)
+        ix = GraphIndex.build(cg)
+        assert [ix.mask(s) for s in mc.lower_sets] == chain
+        budget = int(factor * b_min)
+        want, _ = reference_solve(cg, budget, exact=exact, memory_model=model)
+        got = dp.solve(cg, budget, exact=exact, memory_model=model)
+        assert [ix.mask(s) for s in got.lower_sets] == want
+    finally:
+        family_dp.COARSE_SETS = old
+
+
+def test_context_follows_graph_changes():
+    cg = CostGraph.from_edges("abc", [("a", "b"), ("b", "c")], dict(a=1, b=1, c=1), dict(a=10, b=20, c=40))
+    before = dp.min_budget_bytes(cg)
+    assert dp.context(cg) is dp.context(cg), "one context per graph and model"
+    cg.nodes["b"]["M"] = 2000
+    assert dp.min_budget_bytes(cg) > before, "a changed graph is planned anew"
+
+
+def test_exact_dp_memory_is_capped():
+    nodes = ["src"] + [f"c{i}_{j}" for i in range(5) for j in range(6)] + ["sink"]
+    edges = [("src", f"c{i}_0") for i in range(5)] + [(f"c{i}_5", "sink") for i in range(5)]
+    edges += [(f"c{i}_{j}", f"c{i}_{j + 1}") for i in range(5) for j in range(5)]
+    cg = CostGraph.from_edges(nodes, edges, dict.fromkeys(nodes, 1), dict.fromkeys(nodes, 8))
+    for engine in ("auto", "family", "search"):
+        with pytest.raises(FxplanError, match="approximate DP"):
+            dp.solve(cg, None, strategy="memory", exact=True, engine=engine, max_states=1000)
+    assert dp.solve(cg, None, strategy="memory", exact=False).num_segments >= 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxplan.bptt.solvers import HIDDEN, INF, Policy
+from fxplan.bptt.policy import HIDDEN, INF, Policy
 from fxplan.errors import FxplanError
 
 RUN, PUSH, GRAD, BACKWARD, POP = range(5)

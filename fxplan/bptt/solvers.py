@@ -25,75 +25,25 @@ Memory units and what the DP guarantees (checked by :mod:`fxplan.bptt.schedule`)
                  one does not (as in HSM), so ``C(t, 1) = t(t+1)/2`` and ``C(t, m >= alpha*t) = t``.
 
 The rows are computed one sequence length ``t`` at a time, vectorised over all memory sizes with numpy.
-A cheap feasible candidate ``UB`` (the best ``y = 1`` choice) bounds the useful positions: every
-candidate satisfies ``Q >= t + y - 1``, so ``y <= UB - t + 1``. For large memory the bound is tiny,
-which keeps t = 1000 with thousands of units well under a second.
+Positions ``2 <= y < t``: where the columns ``C(., m)`` involved are convex in ``t`` (HSM and ISM; checked
+as the rows fill, not assumed) the cost is convex in ``y`` and its smallest minimiser never decreases with
+``t``, so a walk from the previous minimiser finds it in O(1) amortised steps (the speed-up the paper's
+appendix A mentions). Elsewhere (MSM, whose columns are not convex) every position is scanned, bounded by
+``Q >= t + y - 1`` with the best ``y = 1`` choice as upper bound.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
+from fxplan.bptt.policy import HIDDEN, INF, INTERNAL, POLICIES, Policy
+from fxplan.bptt.schedule import simulate
 from fxplan.errors import BudgetError, FxplanError
 
-INF = 1 << 60
-HIDDEN = 0
-INTERNAL = 1
-
-POLICIES = ("hsm", "ism", "msm", "chen_sqrt", "chen_recursive")
-
-
-@dataclass(frozen=True)
-class Policy:
-    """Solved policy tables for sequences up to ``t`` steps and memory up to ``m`` units.
-
-    ``C[t', m']`` is the optimal number of forward operations (``INF`` when infeasible), ``D[t', m']``
-    the position of the first push and ``H[t', m']`` its kind (:data:`HIDDEN` or :data:`INTERNAL`).
-    For the Chen baselines the tables do not depend on memory: they are 1-D, indexed by ``t'`` only,
-    and ``m`` is the memory (in MSM units) the baseline needs for ``t`` steps.
-    """
-
-    name: str
-    t: int
-    m: int
-    alpha: int | None
-    beta: int | None
-    C: np.ndarray
-    D: np.ndarray
-    H: np.ndarray
-
-    def internal_units(self, y: int) -> int:
-        """Memory units an internal state pushed at relative position ``y`` occupies (section 3.4)."""
-        if self.name == "ism":
-            return 1
-        if self.name == "hsm":
-            return 0  # only ever the working state
-        assert self.alpha is not None and self.beta is not None
-        return self.beta if y == 1 else self.alpha
-
-    @property
-    def hidden_units(self) -> int:
-        """Memory units one stored hidden state occupies (ISM stores none but the root)."""
-        return 0 if self.name == "ism" else 1
-
-    def decide(self, t: int, m: int) -> tuple[int, int]:
-        """The first action ``(kind, y)`` for ``t`` remaining steps with ``m`` units."""
-        if self.C.ndim == 1:
-            return int(self.H[t]), int(self.D[t])
-        return int(self.H[t, m]), int(self.D[t, m])
-
-    def cost(self, t: int | None = None, m: int | None = None) -> int:
-        """Forward operations for ``t`` steps with ``m`` units (defaults: the solved size)."""
-        t = self.t if t is None else t
-        if self.C.ndim == 1:
-            return int(self.C[t])
-        m = self.m if m is None else m
-        return int(self.C[t, min(m, self.C.shape[1] - 1)])
-
+__all__ = ["HIDDEN", "INF", "INTERNAL", "POLICIES", "Policy", "optimal_cost", "solve"]
 
 def _check_tm(t: int, m: int) -> None:
     if not isinstance(t, (int, np.integer)) or t < 1:
@@ -135,19 +85,84 @@ def _keep_better(q: np.ndarray, kind: int, best: np.ndarray, bd: np.ndarray, bh:
     bd[:] = np.where(better, j + 2, bd)
     bh[:] = np.where(better, kind, bh)
 
-def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None):
+
+def _scan(CT, t, pad, use_hidden, alpha, work, best, bd, bh) -> None:
+    """Positions y = 2 .. t - 1 by exhaustive scan, within the bound ``Q >= t + y - 1`` (module docstring)."""
+    m_max = len(best)
+    ylim = np.minimum(np.minimum(best, work) - t + 1, t - 1)
+    ylim = np.maximum.accumulate(ylim[::-1])[::-1]  # non-increasing envelope, so chunks are prefixes
+    a = 0
+    while a < m_max and ylim[a] >= 2:
+        yl = int(ylim[a])
+        b = int(np.searchsorted(-ylim, -(yl // 2), side="right"))  # columns whose bound is > yl/2
+        b = max(b, a + 1)
+        ca, cb = pad + 1 + a, pad + 1 + b  # CT rows for m = a+1 .. b
+        ys = np.arange(2, yl + 1)
+        if use_hidden:
+            # Q1 = y + C(y, m) + C(t - y, m - 1), y = 2 .. yl (< t)
+            q = CT[ca:cb, 2 : yl + 1] + CT[ca - 1 : cb - 1, t - 2 : t - yl - 1 : -1]
+            _keep_better(q + ys, HIDDEN, best[a:b], bd[a:b], bh[a:b])
+        if alpha is not None:
+            # Q2 = y + C(y - 1, m) + C(t - y, m - alpha), y = 2 .. yl (< t)
+            q = CT[ca:cb, 1:yl] + CT[ca - alpha : cb - alpha, t - 2 : t - yl - 1 : -1]
+            _keep_better(q + ys, INTERNAL, best[a:b], bd[a:b], bh[a:b])
+        a = b
+
+
+def _walk(flat, width: int, rows: np.ndarray, shift: int, lag: int, t: int, start: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """Smallest minimiser over y in [start, t - 1] of y + C(y - lag, m) + C(t - y, m - shift) for CT rows
+    ``rows`` (= pad + m), walking right while the next position is strictly better: exact when that
+    function is convex in y (see :func:`_solve_dp`). Returns (y, value)."""
+    y = start.copy()
+    a_rows, b_rows = rows * width, (rows - shift) * width
+    f = y + flat[a_rows + y - lag] + flat[b_rows + t - y]
+    live = np.flatnonzero(y < t - 1)
+    while live.size:
+        yn = y[live] + 1
+        fn = yn + flat[a_rows[live] + yn - lag] + flat[b_rows[live] + t - yn]
+        adv = fn < f[live]
+        live = live[adv]
+        y[live] = yn[adv]
+        f[live] = fn[adv]
+        live = live[y[live] < t - 1]
+    return y, f
+
+
+def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None, walk: bool = True):
     """Fill C, D, H for the generic two-choice recurrence; see the module docstring.
 
     ``alpha is None`` disables internal pushes except the working step y = t (HSM).
+
+    Positions y = 2 .. t - 1 (the convexity speed-up): Q1(y) = y + A(y) + B(t - y) with A = C(., m) and
+    B = C(., m - 1) (for Q2, A(y) = C(y - 1, m), B = C(., m - alpha)). Where both columns are convex in t
+    (checked as the rows are filled, not assumed), Q is convex in y, so a walk right from any y at or below
+    the smallest minimiser finds it; and that minimiser never decreases with t (for y below the one at
+    t - 1, Q_t(y) - Q_t(y*) = Q_{t-1}(y) - Q_{t-1}(y*) + ΔB(t - y) - ΔB(t - y*) > 0 as ΔB does not
+    decrease). So each (t, m) costs O(1) amortised instead of O(t). Rows whose columns are not convex
+    so far fall back to the exhaustive scan, so the tables are exact either way (``walk=False``: always
+    scan). HSM and ISM columns are convex (appendix B); MSM columns are not (96 of 100 rows at t = 1000,
+    alpha = 5, beta = 4 have a negative second difference), so MSM scans.
     """
     a_max = max(alpha or 1, beta or 1)
     pad = a_max  # columns of INF standing for negative memory
     # CT[pad + m, t]: memory-major so that reductions over y run along contiguous rows.
     CT = np.full((pad + m_max + 1, t_max + 1), INF, dtype=np.int64)
     CT[:, 0] = 0
+    flat = CT.reshape(-1)
+    width = t_max + 1
     DT = np.zeros((m_max + 1, t_max + 1), dtype=np.int64)
     HT = np.zeros((m_max + 1, t_max + 1), dtype=np.int8)
     cols = slice(pad + 1, pad + m_max + 1)  # m = 1 .. m_max
+    ms = np.arange(1, m_max + 1)
+    convex = np.ones(pad + m_max + 1, dtype=bool)  # per CT row: convex over t = 1 .. (last row filled)
+    kinds = []  # (kind, CT rows with a finite B column, shift, lag, previous minimiser)
+    if use_hidden:
+        r = pad + ms[ms - 1 >= 1]
+        kinds.append((HIDDEN, r, 1, 0, np.full(len(r), 2, dtype=np.int64)))
+    if alpha is not None:
+        r = pad + ms[ms - alpha >= 1]
+        kinds.append((INTERNAL, r, alpha, 1, np.full(len(r), 2, dtype=np.int64)))
     for t in range(1, t_max + 1):
         # Candidates are tried in a fixed order and replaced only when strictly better: hidden before
         # internal at y = 1, then y = 2, 3, ..., and the working step (y = t) last, so that ties go to
@@ -157,7 +172,7 @@ def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta:
         best = np.full(m_max, INF, dtype=np.int64)
         bd = np.zeros(m_max, dtype=np.int64)
         bh = np.zeros(m_max, dtype=np.int8)
-        cands = []  # the y = 1 choices, which also give the bound UB
+        cands = []  # the y = 1 choices
         if t > 1 and use_hidden:
             cands.append((1 + CT[pad + 1 : pad + m_max + 1, 1] + CT[pad : pad + m_max, t - 1], HIDDEN))
         if t > 1 and alpha is not None:
@@ -167,30 +182,27 @@ def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta:
             best = np.where(better, val, best)
             bd = np.where(better, 1, bd)
             bh = np.where(better, kind, bh)
-        # Positions 2 .. ylim(m) can still win: Q >= t + y - 1 (each step is forwarded at least once).
-        ylim = np.minimum(np.minimum(best, work) - t + 1, t - 1)
-        ylim = np.maximum.accumulate(ylim[::-1])[::-1]  # non-increasing envelope, so chunks are prefixes
-        a = 0
-        while a < m_max and ylim[a] >= 2:
-            yl = int(ylim[a])
-            b = int(np.searchsorted(-ylim, -(yl // 2), side="right"))  # columns whose bound is > yl/2
-            b = max(b, a + 1)
-            ca, cb = pad + 1 + a, pad + 1 + b  # CT rows for m = a+1 .. b
-            ys = np.arange(2, yl + 1)
-            if use_hidden:
-                # Q1 = y + C(y, m) + C(t - y, m - 1), y = 2 .. yl (< t)
-                q = CT[ca:cb, 2 : yl + 1] + CT[ca - 1 : cb - 1, t - 2 : t - yl - 1 : -1]
-                _keep_better(q + ys, HIDDEN, best[a:b], bd[a:b], bh[a:b])
-            if alpha is not None:
-                # Q2 = y + C(y - 1, m) + C(t - y, m - alpha), y = 2 .. yl (< t)
-                q = CT[ca:cb, 1:yl] + CT[ca - alpha : cb - alpha, t - 2 : t - yl - 1 : -1]
-                _keep_better(q + ys, INTERNAL, best[a:b], bd[a:b], bh[a:b])
-            a = b
+        if t >= 3:
+            if walk and all(convex[rows].all() and convex[rows - shift].all() for _, rows, shift, _, _ in kinds):
+                for kind, rows, shift, lag, prev in kinds:
+                    y, f = _walk(flat, width, rows, shift, lag, t, np.minimum(prev, t - 1))
+                    prev[:] = y
+                    i = rows - pad - 1
+                    better = f < best[i]
+                    best[i] = np.where(better, f, best[i])
+                    bd[i] = np.where(better, y, bd[i])
+                    bh[i] = np.where(better, kind, bh[i])
+            else:
+                _scan(CT, t, pad, use_hidden, alpha, work, best, bd, bh)
+                for _, _, _, _, prev in kinds:
+                    prev[:] = 2  # the walk's start must be at or below the minimiser: restart low
         better = work < best
         best = np.where(better, work, best)
         bd = np.where(better, t, bd)
         bh = np.where(better, INTERNAL, bh)
         CT[cols, t], DT[1:, t], HT[1:, t] = np.minimum(best, INF), bd, bh
+        if t >= 3:
+            convex[cols] &= CT[cols, t] - 2 * CT[cols, t - 1] + CT[cols, t - 2] >= 0
     return CT[pad:, :].T.copy(), DT.T.copy(), HT.T.copy()
 
 
@@ -223,8 +235,6 @@ def solve(policy: str, t: int, m: int | None = None, *, alpha: int | None = None
     alpha, beta = _alpha_beta(policy, alpha, beta)
     if policy.startswith("chen"):
         _check_tm(t, 1 if m is None else m)
-        from fxplan.bptt.schedule import simulate  # local import: schedule depends on this module
-
         pol = _chen(policy, int(t), alpha, beta, segment)
         need = simulate(pol, t).peak_units
         pol = Policy(pol.name, pol.t, need, alpha, beta, pol.C, pol.D, pol.H)

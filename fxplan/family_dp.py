@@ -1,0 +1,357 @@
+"""The family engine of the DP (:mod:`fxplan.dp`): Algorithm 1 over a :class:`~fxplan.family.Family`.
+
+Kusumoto et al. (2019, sections 4.2-4.4) over the pruned family {L_v} (approximate DP) or over all lower
+sets of a small lattice (exact DP). Moves are listed only where their segment can fit a cap and priced by
+the memory model's vectorised ``pair_costs``; the smallest budget is the single-label bottleneck DP ψ run
+backwards from V; the "time" and "memory" objectives keep Pareto fronts of (objective, cache) per set and
+are pruned by ψ. Without a cap the engine runs coarse to fine (:func:`_levels`). :func:`context` keeps the
+index, families and priced moves of a cost graph between solves. See docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fxplan.costgraph import CostGraph
+from fxplan.errors import FxplanError
+from fxplan.family import Family
+from fxplan.lowersets import GraphIndex, enumerate_lower_sets
+from fxplan.memory_model import BoundModel, get_model
+
+COARSE_SETS = 256
+"""The coarse-to-fine passes start from a sub-family of about this many sets (see :func:`_family_run`)."""
+
+PRICE_CHUNK = 1 << 19
+"""Moves priced at once (bounds the temporary arrays of ``pair_costs``)."""
+
+LEVEL_STEP = 8
+"""Each coarse-to-fine pass keeps every LEVEL_STEP-th set of the next finer one."""
+
+_EPS = 1e-6
+
+APPROX_MAX_MOVES = 30_000_000
+"""Moves the approximate DP may price at once (about 1.2 GB); beyond it, an FxplanError."""
+
+
+# ------------------------------------------------------------------------------------------ fronts
+def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool) -> np.ndarray:
+    """Indices of the non-dominated (a, m) pairs: a minimised (maximised if ``maximize``), m minimised."""
+    # a stable sort on the objective alone: the candidates arrive as runs already sorted (one per source
+    # front), which timsort exploits; among equal objectives a larger cache may survive, which is harmless
+    order = np.argsort(-a if maximize else a, kind="stable")
+    ms = m[order]
+    keep = np.ones(len(order), dtype=bool)
+    if len(order) > 1:
+        run = np.minimum.accumulate(ms)
+        keep[1:] = ms[1:] < run[:-1] - _EPS
+    return order[keep]
+
+
+def _best(a: np.ndarray, m: np.ndarray, maximize: bool) -> int:
+    order = np.lexsort((m, -a if maximize else a))
+    return int(order[0])
+
+
+# ------------------------------------------------------------------------------------------ planning context
+@dataclass
+class Context:
+    """What one cost graph and memory model give every DP run: the index, the bound model, the families
+    and the moves already priced. :func:`context` caches it per graph, so repeated solves on one graph
+    (``fxplan.rewrite`` plans several budgets) build it once."""
+
+    ix: GraphIndex
+    bm: BoundModel
+    families: dict = field(default_factory=dict)
+    moves: dict = field(default_factory=dict)
+    move_limit: dict = field(default_factory=dict)
+    psi: dict = field(default_factory=dict)  # per family: (cap, ψ over the whole family's moves with F ≤ cap)
+
+    def family(self, exact: bool, max_sets: int | None = None) -> Family | None:
+        """The pruned family {L_v} (section 4.3), or all lower sets (None if more than ``max_sets``)."""
+        key = "exact" if exact else "pruned"
+        if key not in self.families:
+            if exact:
+                try:
+                    sets = enumerate_lower_sets(self.ix, limit=max_sets)
+                except FxplanError:
+                    sets = None
+                self.families[key] = None if sets is None else Family(self.ix, sets)
+            else:
+                self.families[key] = Family.pruned(self.ix)
+        return self.families[key]
+
+
+_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(cg: CostGraph) -> int:
+    attrs = ("T", "M", "saved", "saves_output", "saved_inputs")
+    nodes = tuple((v, *(repr(d.get(k)) for k in attrs)) for v, d in cg.nodes(data=True))
+    return hash((nodes, tuple(cg.edges(data="order_only", default=False))))
+
+
+def context(cg: CostGraph, memory_model=None) -> Context:
+    """The planning context of ``cg`` under ``memory_model``, reused while the graph is unchanged."""
+    model = get_model(memory_model)
+    try:
+        hash(model)
+    except TypeError:  # an unhashable custom model: no caching
+        ix = GraphIndex.build(cg)
+        return Context(ix, model.bind(ix))
+    key = _fingerprint(cg)
+    held = _CONTEXTS.get(cg)
+    if held is None or held[0] != key:
+        held = (key, GraphIndex.build(cg), {})
+        _CONTEXTS[cg] = held
+    if model not in held[2]:
+        held[2][model] = Context(held[1], model.bind(held[1]))
+    return held[2][model]
+
+
+# ------------------------------------------------------------------------------------------ family engine
+@dataclass
+class _Moves:
+    """Moves between sets of a family, sorted by target then source, with their costs."""
+
+    pi: np.ndarray
+    pj: np.ndarray
+    F: np.ndarray
+    G: np.ndarray
+    H: np.ndarray
+
+    def restrict(self, keep: np.ndarray) -> _Moves:
+        return _Moves(self.pi[keep], self.pj[keep], self.F[keep], self.G[keep], self.H[keep])
+
+
+def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, targets: np.ndarray) -> _Moves:
+    """Moves L_i ⊊ L_j (i in ``sources``, j in ``targets``, increasing family indices) with F ≤ ``cap``.
+
+    Candidates come from the additive lower bound of the memory model (:meth:`Family.moves`); only those
+    are priced. Moves over the whole family are kept per family and reused for any smaller cap.
+    """
+    held = ctx.moves.get(id(fam))
+    if held is not None and held[0] >= cap:
+        mv = held[1]
+        keep = mv.F <= cap + _EPS
+        for sel, ends in ((sources, mv.pi), (targets, mv.pj)):
+            if len(sel) < fam.S:
+                mask = np.zeros(fam.S, dtype=bool)
+                mask[sel] = True
+                keep &= mask[ends]
+        return mv.restrict(keep)
+    wkey = ("lb", id(ctx.bm))
+    if wkey not in fam.cache:
+        fam.cache[wkey] = fam.sums(np.asarray(ctx.bm.lb_weights()[0], dtype=np.float64))
+    pi, pj = fam.moves(fam.cache[wkey], cap, sources, targets, ctx.move_limit.get(id(fam), APPROX_MAX_MOVES))
+    parts = []
+    for lo in range(0, max(len(pi), 1), PRICE_CHUNK):  # chunks bound the pricing's temporary arrays
+        ci, cj = pi[lo:lo + PRICE_CHUNK], pj[lo:lo + PRICE_CHUNK]
+        part = _Moves(ci, cj, *ctx.bm.pair_costs(fam, ci, cj))
+        parts.append(part.restrict(part.F <= cap + _EPS) if np.isfinite(cap) else part)
+    mv = _Moves(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("pi", "pj", "F", "G", "H")))
+    if len(sources) == len(targets) == fam.S:
+        ctx.moves[id(fam)] = (cap, mv)
+    return mv
+
+
+def _bottleneck(fam: Family, sub: np.ndarray, mv: _Moves) -> tuple[np.ndarray, np.ndarray]:
+    """ψ(L) = min over plans from L to V of max over their moves of (cache added since L + F), by set.
+
+    With cache m at L, the best peak any completion reaches is m + ψ(L): the cache already held adds to
+    every later move alike. So the smallest feasible budget is ψ(∅), a single-label bottleneck DP run from
+    V backwards, ψ(L) = min_{L'} max(F(L, L'), G(L, L') + ψ(L')), and a state (a, m) at L can still fit a
+    budget B only if m + ψ(L) ≤ B. Returns ψ (inf: V unreachable, -inf at V) and each set's best next set.
+    """
+    psi = np.full(fam.S, np.inf)
+    psi[sub[-1]] = -np.inf
+    nxt = np.full(fam.S, -1, dtype=np.int64)
+    order = np.lexsort((mv.pj, mv.pi))
+    pi, pj, F, G = mv.pi[order], mv.pj[order], mv.F[order], mv.G[order]
+    firsts = np.flatnonzero(np.r_[True, pi[1:] != pi[:-1]]) if len(pi) else np.zeros(0, dtype=np.int64)
+    ends = np.r_[firsts[1:], len(pi)]
+    for i, p0, p1 in zip(pi[firsts][::-1].tolist(), firsts[::-1].tolist(), ends[::-1].tolist()):
+        vals = np.maximum(F[p0:p1], G[p0:p1] + psi[pj[p0:p1]])
+        k = int(vals.argmin())
+        psi[i] = vals[k]
+        nxt[i] = pj[p0 + k]
+    return psi, nxt
+
+
+def _family_dp(fam: Family, sub: np.ndarray, mv: _Moves, objective: str, budget: float | None,
+               bound: float | None = None, psi: np.ndarray | None = None) -> list[int] | None:
+    """Algorithm 1 (objective "time" or "memory") over the sets ``sub`` of ``fam`` (increasing, ∅ first, V
+    last) with the moves ``mv``.
+
+    Each set keeps the Pareto front of its states (a, m); a set's candidates are all states of all its
+    sources, in increasing source order, gathered in one vectorised step. Two prunings drop states that
+    can be neither optimal nor dominate one that can (a dominating state could follow the same completion),
+    so the result is the same plan: ``bound`` ("time") drops states whose overhead exceeds it (overheads
+    never decrease along a plan), ``psi`` (:func:`_bottleneck`) states that no completion fits in the budget.
+    Returns the family indices of L_1..L_k, or None.
+    """
+    maximize = objective == "memory"
+    lim = None if bound is None else bound + _EPS + 1e-9 * abs(bound)
+    room = None if budget is None or psi is None else budget + _EPS - psi
+    cap = 1024
+    a = np.zeros(cap)
+    m = np.zeros(cap)
+    par = np.full(cap, -1, dtype=np.int64)
+    own = np.zeros(cap, dtype=np.int64)
+    fs = np.zeros(fam.S, dtype=np.int64)  # first state of each set
+    fl = np.zeros(fam.S, dtype=np.int64)  # number of states of each set
+    fl[sub[0]] = 1
+    n_st = 1
+    tgt = sub[1:]
+    lo_all = np.searchsorted(mv.pj, tgt, side="left").tolist()
+    hi_all = np.searchsorted(mv.pj, tgt, side="right").tolist()
+    pi, F, G, H = mv.pi, mv.F, mv.G, mv.H
+    for j, p0, p1 in zip(tgt.tolist(), lo_all, hi_all):
+        if p0 == p1:
+            continue
+        src = pi[p0:p1]
+        lens = fl[src]
+        tot = int(lens.sum())
+        if not tot:
+            continue
+        cum = np.cumsum(lens)
+        rep = np.repeat(np.arange(p0, p1), lens)  # the move of each candidate
+        idx = np.repeat(fs[src] - (cum - lens), lens) + np.arange(tot)
+        mi = m[idx]
+        nm = mi + G[rep]
+        ok = None
+        if budget is not None:
+            ok = mi + F[rep] <= budget + _EPS
+        if room is not None:
+            ok = ok & (nm <= room[j])
+        na = a[idx] + H[rep]
+        if lim is not None:
+            ok = (na <= lim) if ok is None else ok & (na <= lim)
+        if ok is not None and not ok.all():
+            idx, na, nm = idx[ok], na[ok], nm[ok]
+            if not idx.size:
+                continue
+        keep = _pareto_np(na, nm, maximize)
+        k = keep.size
+        if n_st + k > cap:
+            cap = max(2 * cap, n_st + k)
+            own, a, m, par = (np.resize(x, cap) for x in (own, a, m, par))
+        own[n_st:n_st + k] = j
+        a[n_st:n_st + k] = na[keep]
+        m[n_st:n_st + k] = nm[keep]
+        par[n_st:n_st + k] = idx[keep]
+        fs[j], fl[j] = n_st, k
+        n_st += k
+    last = sub[-1]
+    if not fl[last]:
+        return None
+    lo = fs[last]
+    s = lo + _best(a[lo:lo + fl[last]], m[lo:lo + fl[last]], maximize)
+    chain = []
+    while s > 0:
+        chain.append(int(own[s]))
+        s = par[s]
+    return chain[::-1]
+
+
+def _levels(S: int) -> list[np.ndarray]:
+    """Sub-families for coarse-to-fine passes: every LEVEL_STEP^k-th set (∅ and V always), coarsest first."""
+    steps = [1]
+    while S // steps[-1] > COARSE_SETS:
+        steps.append(steps[-1] * LEVEL_STEP)
+    return [np.unique(np.concatenate([np.arange(0, S, step), [S - 1]])) for step in reversed(steps)]
+
+
+def _chain_costs(ctx: Context, fam: Family, chain: list[int]) -> tuple[int, float, list[int]]:
+    """(peak, overhead, peak of each segment) of a plan given as family indices, as :func:`evaluate_chain`."""
+    pj = np.array(chain, dtype=np.int64)
+    pi = np.r_[0, pj[:-1]]
+    F, G, H = ctx.bm.pair_costs(fam, pi, pj)
+    seg = [int(round(x)) for x in (np.cumsum(G) - G + F).tolist()]
+    return max(seg), float(sum(H.tolist())), seg
+
+
+def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
+    """A plan of least peak over ``fam`` (:func:`_bottleneck`), coarse to fine.
+
+    Only moves that fit a cap are listed, and the least peak has no cap a priori. A plan of a sub-family
+    (every k-th set, ∅ and V) is a plan of the family, so its peak bounds the optimum: each pass lists
+    the moves with F ≤ the previous pass's peak, and the last pass, over the whole family, is exact.
+    """
+    cap = math.inf
+    for sub in _levels(fam.S):
+        mv = _priced_moves(ctx, fam, cap, sub, sub)
+        psi, nxt = _bottleneck(fam, sub, mv)
+        if len(sub) == fam.S:
+            ctx.psi[id(fam)] = (cap, psi)
+        chain, k = [], int(sub[0])
+        while k != sub[-1]:
+            k = int(nxt[k])
+            chain.append(k)
+        cap = min(cap, _chain_costs(ctx, fam, chain)[0])
+    return chain
+
+
+def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, targets: np.ndarray,
+                   hsum: np.ndarray) -> _Moves:
+    """The moves the "time" DP needs: into a set reachable from ∅ in one move that fits, only that move.
+
+    Every plan reaching L caches at least ∂(L) (each member of ∂(L) is on the boundary of the segment that
+    computes it), which is what the move from ∅ caches, and has overhead at least Σ_{v∈L} h(v). Where the
+    move from ∅ reaches both bounds, its state dominates every other candidate at L (and comes first, so
+    it is what the full DP keeps too): the other moves into L can be left out. At a large budget this turns
+    #sets² moves into #sets.
+    """
+    tg = targets[targets != 0]
+    F0, G0, H0 = ctx.bm.pair_costs(fam, np.zeros(len(tg), dtype=np.int64), tg)
+    settled = (H0 <= hsum[tg] + _EPS + 1e-9 * np.abs(hsum[tg])) & (F0 <= cap + _EPS)
+    if not settled.any():
+        return _priced_moves(ctx, fam, cap, sources, targets)
+    rest = _priced_moves(ctx, fam, cap, sources, tg[~settled])
+    first = _Moves(np.zeros(int(settled.sum()), dtype=np.int64), tg[settled], F0[settled], G0[settled],
+                   H0[settled])
+    both = _Moves(*(np.concatenate([x, y]) for x, y in zip(
+        (rest.pi, rest.pj, rest.F, rest.G, rest.H), (first.pi, first.pj, first.F, first.G, first.H))))
+    return both.restrict(np.lexsort((both.pi, both.pj)))
+
+
+def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None) -> list[int] | None:
+    """One DP over ``fam``: "peak" by :func:`_min_peak_chain`, "memory" and "time" by :func:`_family_dp`.
+
+    With a budget, only the moves that fit it are listed and :func:`_bottleneck` prunes states that cannot
+    finish within it. "time" runs coarse to fine like :func:`_min_peak_chain`: a sub-family's plan bounds
+    the least overhead, and sets whose overhead lower bound (Σ of the model's ``h_weights``) exceeds it are
+    left out of the next pass; sets that one move from ∅ reaches optimally get only that move
+    (:func:`_settled_moves`).
+    """
+    if objective == "peak":
+        return _min_peak_chain(ctx, fam)
+    S = fam.S
+    cap = math.inf if budget is None else float(budget)
+    levels = [np.arange(S)] if objective == "memory" else _levels(S)
+    bound = math.inf  # stays inf for "memory": only "time" bounds its objective
+    hsum = fam.sums(ctx.bm.h_weights()) if objective == "time" else None
+    chain = None
+    for sub in levels:
+        sources = targets = sub
+        if np.isfinite(bound):
+            live = hsum[sub] <= bound + _EPS + 1e-9 * bound
+            sources, targets = sub[live], sub[live | (sub == S - 1)]
+        if objective == "time":
+            mv = _settled_moves(ctx, fam, cap, sources, targets, hsum)
+        else:
+            mv = _priced_moves(ctx, fam, cap, sources, targets)
+        psi = None
+        if budget is not None:
+            # ψ over more moves (a larger cap) is no larger, so it prunes less but never wrongly
+            held = ctx.psi.get(id(fam))
+            psi = held[1] if held is not None and held[0] >= cap else _bottleneck(fam, sub, mv)[0]
+        found = _family_dp(fam, sub, mv, objective, budget, bound if np.isfinite(bound) else None, psi)
+        if found is not None:
+            chain = found
+            if objective == "time":
+                bound = min(bound, _chain_costs(ctx, fam, chain)[1])
+    return chain
