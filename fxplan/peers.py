@@ -254,11 +254,10 @@ def compile_peer(model: nn.Module, fraction: float) -> CompiledPeer:
 # ------------------------------------------------------------------------------ Hugging Face checkpointing
 
 
-def hf_checkpointing_peer(model: nn.Module, every_n_layers: int = 1) -> nn.Module:
+def hf_checkpointing_peer(model: nn.Module) -> nn.Module:
     """A copy of a transformers model with its own activation checkpointing on, sharing ``model``'s parameters
     and buffers (nothing is copied but the module objects; ``model`` itself is left as it is).
 
-    ``every_n_layers`` > 1 checkpoints only every n-th layer (a knob of newer transformers).
     Raises :class:`NotApplicable` for a model that is not a transformers ``PreTrainedModel`` supporting it.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
@@ -267,12 +266,9 @@ def hf_checkpointing_peer(model: nn.Module, every_n_layers: int = 1) -> nn.Modul
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     peer = copy.deepcopy(model, shared)
     if hasattr(peer, "activation_checkpointing_enable"):  # newer transformers
-        peer.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                             every_n_layers=every_n_layers)
-    elif every_n_layers == 1:
-        peer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peer.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
-        raise NotApplicable("not applicable: this transformers version checkpoints every layer or none")
+        peer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return peer.train(model.training)
 
 
