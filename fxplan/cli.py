@@ -85,12 +85,12 @@ def load_model(name: str, batch_size: int | None, input_size: int | None, *, rea
 
 def cmd_zoo(args: argparse.Namespace) -> int:
     import models_zoo
+    from fxplan.compare import describe_input
 
     rows = []
     for name in models_zoo.names():
         e = models_zoo.get(name)
-        size = f"seq {e.input_size}" if e.kind == "language" else f"{e.input_size}²"
-        rows.append((name, e.paper_batch, size, e.paper_nodes or "-", e.description))
+        rows.append((name, e.paper_batch, describe_input(e.kind, e.input_size), e.paper_nodes or "-", e.description))
     print(format_table(("network", "batch", "input", "paper #V", "description"), rows))
     print("\nAlso accepted: torchvision builder names (e.g. mobilenet_v2), timm:NAME, hf:NAME (e.g. hf:gpt2).")
     return 0

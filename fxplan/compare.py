@@ -329,7 +329,8 @@ def compare_models(
     progress: Progress | None = None,
     **kwargs: Any,
 ) -> Comparison:
-    """:func:`compare_network` on ``models_zoo.ZooEntry`` objects (see ``models_zoo.resolve_all``); each
+    """:func:`compare_network` on ``models_zoo.ZooEntry`` objects (``models_zoo.resolve_all(names)`` turns
+    model names into entries, all checked before any work starts); each
     entry's main batch and size by default. A network that cannot be built gets one error row; the
     others go on.
     """
@@ -363,14 +364,6 @@ def compare_models(
     return comparison
 
 
-def compare_zoo(names: Sequence[str], **kwargs: Any) -> Comparison:
-    """:func:`compare_models` on model names (zoo, torchvision, ``timm:NAME``, ``hf:NAME``), all resolved
-    before any work starts: an unknown name raises :class:`fxplan.FxplanError` at once."""
-    import models_zoo
-
-    return compare_models(models_zoo.resolve_all(names), **kwargs)
-
-
 def describe_input(kind: str, size: int) -> str:
     """How an input size reads in a report: ``seq 1024`` for token sequences, ``224²`` for images."""
     return f"seq {size}" if kind == "language" else f"{size}²"
@@ -388,6 +381,6 @@ def run_meta(names: Sequence[str], kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
-    "Comparison", "Row", "TIMELINE_PREFERENCE", "compare_models", "compare_network", "compare_zoo",
+    "Comparison", "Row", "TIMELINE_PREFERENCE", "compare_models", "compare_network",
     "count_flops", "describe_input", "real_step_peak", "run_meta",
 ]

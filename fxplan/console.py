@@ -36,7 +36,11 @@ class Progress:
 
 
 class Step:
-    """One step of :class:`Progress` (a context manager); silent when ``stream`` is None."""
+    """One step of :class:`Progress` (a context manager); silent when ``stream`` is None.
+
+    A step that raises ends with ``failed``, or with the exception's ``progress_status`` attribute
+    (``not applicable``, ``timed out``): not every exception is a failure of the run.
+    """
 
     def __init__(self, what: str, stream: TextIO | None, heartbeat_s: float):
         self.what, self.stream, self.heartbeat_s = what, stream, heartbeat_s
@@ -61,7 +65,7 @@ class Step:
         if self._thread is not None:
             self._thread.join()
         if self.stream is not None:
-            status = "failed" if exc_type else "done"
+            status = "done" if exc_type is None else getattr(exc, "progress_status", "failed")
             with self._lock:
                 prefix = " " if self._line_open else f"{self.what}: "
                 self._write(f"{prefix}{status} ({self.elapsed():.1f} s)")

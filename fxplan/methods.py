@@ -43,6 +43,8 @@ DEFAULT_CURVE_POINTS = (0.25, 0.5, 0.75)
 class MethodTimeout(FxplanError):
     """A method's preparation (e.g. the exact DP) ran past its time limit."""
 
+    progress_status = "timed out"
+
 
 @dataclass
 class Prepared:

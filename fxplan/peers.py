@@ -16,8 +16,8 @@ anything; :mod:`fxplan.compare` measures what these modules cost.
   ``torch._functorch.config.activation_memory_budget`` set while the graph is compiled. The budget is
   a fraction of the saved-activation set, not bytes of peak. Compiled code is invisible to dispatch
   modes (hence to fake-tensor metering), so compiled peers are measured on real steps only.
-* **Hugging Face checkpointing**: ``model.activation_checkpointing_enable()`` (called
-  ``gradient_checkpointing_enable()`` before transformers 5), what LLM users turn on today: every decoder
+* **Hugging Face checkpointing**: ``model.activation_checkpointing_enable()`` (in older transformers
+  ``gradient_checkpointing_enable()``), what LLM users turn on today: every decoder
   or encoder layer runs under non-reentrant ``torch.utils.checkpoint``, so only the layer inputs are
   kept and each layer's forward is recomputed in backward. Recomputation happens in ordinary eager code,
   which the fake-tensor meter sees, so these peers are measured like vanilla.
@@ -40,6 +40,8 @@ from fxplan.errors import FxplanError
 
 class NotApplicable(FxplanError):
     """A peer method cannot be applied to this model; the message says why."""
+
+    progress_status = "not applicable"
 
 
 # ---------------------------------------------------------------------------------------------- vanilla
@@ -252,11 +254,10 @@ def compile_peer(model: nn.Module, fraction: float) -> CompiledPeer:
 # ------------------------------------------------------------------------------ Hugging Face checkpointing
 
 
-def hf_checkpointing_peer(model: nn.Module, every_n_layers: int = 1) -> nn.Module:
+def hf_checkpointing_peer(model: nn.Module) -> nn.Module:
     """A copy of a transformers model with its own activation checkpointing on, sharing ``model``'s parameters
     and buffers (nothing is copied but the module objects; ``model`` itself is left as it is).
 
-    ``every_n_layers`` > 1 checkpoints only every n-th layer (transformers 5's trade-off knob).
     Raises :class:`NotApplicable` for a model that is not a transformers ``PreTrainedModel`` supporting it.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
@@ -264,13 +265,10 @@ def hf_checkpointing_peer(model: nn.Module, every_n_layers: int = 1) -> nn.Modul
                             "checkpointing")
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
     peer = copy.deepcopy(model, shared)
-    if hasattr(peer, "activation_checkpointing_enable"):  # transformers >= 5: non-reentrant by default
-        peer.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                             every_n_layers=every_n_layers)
-    elif every_n_layers == 1:
-        peer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(peer, "activation_checkpointing_enable"):  # newer transformers
+        peer.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
-        raise NotApplicable("not applicable: checkpointing every n-th layer needs transformers >= 5")
+        peer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return peer.train(model.training)
 
 

@@ -34,6 +34,8 @@ TABLE1 = (
     ("ApproxDP+TC", "approx-time"), ("ExactDP+TC", "exact-time"),
 )
 
+_PEER_COLUMNS = ("checkpoint_sequential", "hf-checkpointing")
+
 METERS = (
     "Peaks are whole-step peaks: parameters, buffers, inputs, activations, gradients and backward "
     "temporaries. The main-batch peak (the paper's batch for Table 1's networks, the zoo's batch for "
@@ -118,7 +120,10 @@ def _table1_cell(row: Row | None) -> str:
 def table1(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the Table-1-shaped summary (peak at the main batch, GiB, and reduction)."""
     present = {r.method for r in comparison.rows}
-    columns = [(h, m) for h, m in TABLE1 if m in present or m == "vanilla"]
+    applicable = {r.method for r in comparison.rows if r.status != "not applicable"}
+    # A column no network ran is left out, and so is a peer's column where it applied to no network.
+    columns = [(h, m) for h, m in TABLE1 if m == "vanilla" or m in applicable
+               or (m in present and m not in _PEER_COLUMNS)]
     header = ["network", "input, batch", *[h for h, _ in columns]]
     rows = []
     for net in comparison.networks():

@@ -1,6 +1,6 @@
 """Print the measured vanilla peak of one training step for each zoo network at its paper batch.
 
-Usage: python scripts/vanilla_peaks.py [NAME ...]
+Usage: python scripts/vanilla_peaks.py [NAME ...]   (default: the networks of Table 1 and lstm_lm)
 
 Measured with fxplan.measure_step on fake tensors (exact, nothing allocated); parameters, buffers,
 inputs, activations and gradients are all counted.
@@ -21,7 +21,7 @@ from fxplan.trace import trace
 
 def main(names: list[str]) -> None:
     rows = []
-    for name in names or models_zoo.names():
+    for name in names or models_zoo.paper_names():
         entry = models_zoo.get(name)
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         model = entry.build()

@@ -2,8 +2,9 @@
 
 Usage: ``python scripts/zoo_table.py [--peak] [NAME ...]`` (all networks by default). Compute nodes are the
 nodes of ``torch.fx.symbolic_trace(model)`` whose op is call_module, call_function or call_method
-(placeholders, get_attr and output excluded), each model built in train mode. ``--peak`` adds the vanilla
-peak of one training step (parameters, inputs, activations, gradients) at the paper's batch and input,
+(placeholders, get_attr and output excluded), each model built in train mode; "–" where symbolic_trace
+cannot take the model (the transformers). ``fake_only`` entries are built on the meta device. ``--peak``
+adds the vanilla peak of one training step (parameters, inputs, activations, gradients) at the paper's batch and input,
 measured exactly with fake tensors by ``fxplan.measure.measure_step(..., fake=True)`` and the entry's loss.
 ``--kinds`` prints, instead of the table, each named network's compute nodes counted by op kind and by
 top-level submodule.
@@ -23,9 +24,13 @@ import models_zoo
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
 
-def compute_nodes(model: torch.nn.Module) -> int:
-    """Number of compute nodes of the model's torch.fx graph."""
-    return sum(n.op in COMPUTE_OPS for n in torch.fx.symbolic_trace(model).graph.nodes)
+def compute_nodes(model: torch.nn.Module) -> str:
+    """Number of compute nodes of the model's torch.fx graph, or "–" if symbolic_trace cannot take it."""
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # torch.fx raises many types; all mean "not traceable"
+        return "–"
+    return str(sum(n.op in COMPUTE_OPS for n in graph.nodes))
 
 
 def _kind(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:

@@ -105,3 +105,10 @@ def test_report_without_matplotlib_still_has_tables(comparison, tmp_path, monkey
     assert not any(p.suffix == ".png" for p in paths)
     md = (tmp_path / "report.md").read_text()
     assert "matplotlib is not installed" in md and "ApproxDP+TC" in md
+
+
+def test_table1_leaves_out_a_peer_that_applied_to_no_network(comparison):
+    comparison.rows.append(_row("hf-checkpointing", "peer", None, None, None, status="not applicable",
+                                note="not a Hugging Face transformers model"))
+    header, _ = table1(comparison)
+    assert "HF checkpointing" not in header and "checkpoint_sequential" in header  # that one crashed

@@ -39,9 +39,10 @@ COMPUTE_OPS = ("call_module", "call_function", "call_method")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def built() -> dict[str, nn.Module]:
-    """Each network built once per session (building resnet152, densenet161, pspnet takes seconds)."""
+    """Each network built once for this module (building resnet152, densenet161, pspnet takes seconds), and
+    freed after it: kept for the whole session, the 1.4 GB of parameters would weigh on every later test."""
     cache: dict[str, nn.Module] = {}
 
     def get(name: str) -> nn.Module:
