@@ -102,12 +102,47 @@ class BoundModel:
         return Bd, inside
 
 
+def input_gradient_bytes(Bd: np.ndarray, inside: np.ndarray, sub: np.ndarray, M: np.ndarray) -> np.ndarray:
+    """M(δ⁻(V') ∩ L) for every pair (L, L') of a family with L ⊊ L' (``sub``), V' = L' \\ L.
+
+    The inputs of V' taken from L are the members u of ∂(L) (``Bd``) with more successors in L' than in
+    L (``inside``: successor counts per set, from :meth:`BoundModel._common`). Entries with L ⊄ L' are 0.
+    """
+    S = len(Bd)
+    out = np.zeros((S, S))
+    for i in range(S):
+        cols = np.flatnonzero(Bd[i])
+        rows_i = np.flatnonzero(sub[i])
+        if cols.size and rows_i.size:
+            out[i, rows_i] = (inside[np.ix_(rows_i, cols)] > inside[i, cols][None, :]) @ M[cols]
+    return out
+
+
 def _adjacency(ix: GraphIndex) -> np.ndarray:
     E = np.zeros((ix.n, ix.n))
     for u in range(ix.n):
         for w in iter_bits(ix.dsucc[u]):
             E[u, w] = 1.0
     return E
+
+
+def saved_sets(ix: GraphIndex) -> tuple[int, list[int], list[int]]:
+    """What each node's backward keeps, from the tracer's attributes (module docstring).
+
+    Returns ``(so, si, sx)``: the bitset of nodes that keep their own output, per node the bitset of
+    predecessors whose outputs it keeps, and per node the extra bytes it keeps.
+    """
+    so, si, sx = 0, [0] * ix.n, [0] * ix.n
+    for i, v in enumerate(ix.names):
+        attrs = ix.cg.nodes[v]
+        if attrs.get("saves_output", False):
+            so |= 1 << i
+        if "saved_inputs" in attrs:
+            si[i] = ix.mask(u for u in attrs["saved_inputs"] if u in ix.pos) & ix.dpred[i]
+        else:
+            si[i] = ix.dpred[i]
+        sx[i] = int(attrs.get("saved", 0) or 0)
+    return so, si, sx
 
 
 class _BoundPaper(BoundModel):
@@ -178,21 +213,8 @@ class _BoundAutograd(BoundModel):
     def __init__(self, ix: GraphIndex, cfg: AutogradModel):
         super().__init__(ix)
         self.cfg = cfg
-        cg = ix.cg
-        n = ix.n
-        self.so = 0  # bitset of nodes that save their own output
-        self.si = [0] * n  # si[w]: bitset of predecessors whose output w's backward keeps
-        self.sx = [0] * n  # extra saved bytes
-        for i, v in enumerate(ix.names):
-            attrs = cg.nodes[v]
-            if attrs.get("saves_output", False):
-                self.so |= 1 << i
-            if "saved_inputs" in attrs:
-                self.si[i] = ix.mask(u for u in attrs["saved_inputs"] if u in ix.pos) & ix.dpred[i]
-            else:
-                self.si[i] = ix.dpred[i]
-            self.sx[i] = int(attrs.get("saved", 0) or 0)
-        self.tau = [ix.M[i] + ix.msum(ix.dpred[i]) for i in range(n)]
+        self.so, self.si, self.sx = saved_sets(ix)
+        self.tau = [ix.M[i] + ix.msum(ix.dpred[i]) for i in range(ix.n)]
 
     def _saved_members(self, Vp: int) -> int:
         r = self.so & Vp
@@ -283,13 +305,7 @@ class _BoundAutograd(BoundModel):
         A32 = A.astype(np.float32)
         sizes = A32.sum(axis=1)
         sub = ((A32 @ A32.T) == sizes[:, None]) & (sizes[None, :] > sizes[:, None])
-        # gradients for the inputs of V' = L' \ L: members u of ∂(L) with more successors in L' than in L
-        in_g = np.zeros((S, S))
-        for i in range(S):
-            cols = np.flatnonzero(Bd[i])
-            rows_i = np.flatnonzero(sub[i])
-            if cols.size and rows_i.size:
-                in_g[i, rows_i] = (inside[np.ix_(rows_i, cols)] > inside[i, cols][None, :]) @ M[cols]
+        in_g = input_gradient_bytes(Bd, inside, sub, M)
         # max τ over V': the largest level θ_q with more nodes of τ ≥ θ_q in L' than in L. The excess
         # |V' ∩ {τ ≥ θ_q}| shrinks as q grows, so a binary search over levels finds q for all pairs at once.
         tau = np.array(self.tau, dtype=np.float64)
@@ -321,6 +337,34 @@ class _BoundAutograd(BoundModel):
         ix = self.ix
         add = [float(self.sx[i] + (ix.M[i] if self.so >> i & 1 else 0)) for i in range(ix.n)]
         return add, [self.cfg.transient * t for t in self.tau]
+
+
+class Memoized:
+    """A memory model whose pair matrices are computed once per family of lower sets.
+
+    The approximate DP evaluates every move between the sets of its family with
+    :meth:`BoundModel.pair_matrices`, which dominates the time of one solve. A search that solves the
+    same cost graph at many budgets (``fxplan.search``) passes one ``Memoized`` object to every solve, so
+    the matrices are computed once. Use one object per cost graph only.
+    """
+
+    def __init__(self, base: PaperModel | AutogradModel | str | None = None):
+        self.base = get_model(base)
+        self.name = self.base.name
+        self._pairs: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def bind(self, ix: GraphIndex) -> BoundModel:
+        bound = self.base.bind(ix)
+        compute = bound.pair_matrices
+
+        def pair_matrices(sets, A):
+            key = tuple(sets)
+            if key not in self._pairs:
+                self._pairs[key] = compute(sets, A)
+            return self._pairs[key]
+
+        bound.pair_matrices = pair_matrices
+        return bound
 
 
 MODELS = {"paper": PaperModel, "autograd": AutogradModel}
