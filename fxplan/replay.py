@@ -45,20 +45,24 @@ class StepModel:
     ``resident``: bytes held for the whole step (parameters, buffers, inputs, existing gradients);
     ``grads_exist``: the model already holds ``.grad`` tensors, so backward adds into them;
     ``param_grads``: per node, ``(key, bytes)`` of the parameters whose gradients its backward makes;
-    ``outputs``: the nodes whose values the model returns; ``views``: node -> the node it returns a
-    view of (no storage of its own); ``inplace``: node -> the node whose value it overwrites.
+    ``outputs``: the nodes whose values the model returns; ``output_grad``: bytes of the gradient the
+    loss gives an output, per byte of output (:func:`fxplan.measure.loss_gradient_fraction`); ``views``:
+    node -> the node it returns a view of (no storage of its own); ``inplace``: node -> the node whose
+    value it overwrites.
     """
 
     resident: int
     grads_exist: bool
     param_grads: dict[str, tuple[tuple[int, int], ...]]
     outputs: tuple[str, ...]
+    output_grad: float
     views: dict[str, str]
     inplace: dict[str, str]
 
 
-def step_model(cg: CostGraph, model: torch.nn.Module, resident: int) -> StepModel:
-    """The :class:`StepModel` of ``cg`` (traced from ``model``) with ``resident`` bytes held throughout."""
+def step_model(cg: CostGraph, model: torch.nn.Module, resident: int, output_grad: float = 1.0) -> StepModel:
+    """The :class:`StepModel` of ``cg`` (traced from ``model``) with ``resident`` bytes held throughout
+    and ``output_grad`` bytes of loss gradient per byte of output."""
     gm: fx.GraphModule = cg.graph["gm"]
     param_grads: dict[str, tuple[tuple[int, int], ...]] = {}
     views: dict[str, str] = {}
@@ -84,7 +88,7 @@ def step_model(cg: CostGraph, model: torch.nn.Module, resident: int) -> StepMode
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = tuple(u.name for u in output.all_input_nodes if u.name in cg)
     grads_exist = any(p.grad is not None for p in model.parameters())
-    return StepModel(resident, grads_exist, param_grads, outputs, views, inplace)
+    return StepModel(resident, grads_exist, param_grads, outputs, output_grad, views, inplace)
 
 
 def _attr(gm: torch.nn.Module, target: str) -> object:
@@ -223,7 +227,7 @@ class _Replayer:
         cg, sm = self.cg, self.sm
         grad: dict[str, int] = {}
         for o in sm.outputs:
-            grad[o] = self.new(int(cg.nodes[o]["M"]), ("grad", o))
+            grad[o] = self.new(int(sm.output_grad * cg.nodes[o]["M"]), ("grad", o))
         seen_params: set[int] = set()
         seg_peaks = [0] * self.k
         for i in range(self.k - 1, -1, -1):
@@ -235,18 +239,22 @@ class _Replayer:
                 if v not in grad:  # nothing downstream needs a gradient through v
                     self.unsave(v)
                     continue
-                extra = 0
+                extra, replaced = 0, []
                 passes = PASS_THROUGH.get(cg.nodes[v].get("kind"))
                 for u in self.preds[v]:
-                    size = cg.nodes[u]["M"]
+                    size = int(cg.nodes[u]["M"])
                     shared = v in sm.views or passes == "slice" or (passes == "same" and size == cg.nodes[v]["M"])
                     if shared and u not in grad:
                         grad[u] = grad[v]
                         self.hold(grad[u], ("grad", u))
                     elif u in grad:
-                        extra += int(cg.nodes[u]["M"])  # a contribution, added into the existing gradient
+                        # a contribution, summed with the existing gradient into a new tensor (the meter
+                        # sees autograd sum out of place; on a real CPU step it may add in place instead)
+                        extra += size
+                        replaced.append((grad[u], u))
+                        grad[u] = self.new(size, ("grad", u))
                     else:
-                        grad[u] = self.new(int(cg.nodes[u]["M"]), ("grad", u))
+                        grad[u] = self.new(size, ("grad", u))
                 for key, nbytes in sm.param_grads.get(v, ()):
                     if sm.grads_exist or key in seen_params:
                         extra += nbytes
@@ -254,6 +262,8 @@ class _Replayer:
                         seen_params.add(key)
                         self.new(nbytes, ("param", key))
                 self.peak = max(self.peak, self.current + extra)
+                for old, u in replaced:
+                    self.release(old, ("grad", u))
                 self.release(grad.pop(v), ("grad", v))
                 self.unsave(v)
             for s in self.inputs.get(i, ()):
