@@ -199,36 +199,6 @@ def measure_step(
     return _measure_tracked(real_copy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
 
 
-def loss_gradient_fraction(model: torch.nn.Module, example_inputs: Sequence[Any],
-                           loss_fn: Callable[[Any], torch.Tensor] | None = None) -> float:
-    """Bytes of the gradients ``loss_fn`` gives the model's outputs, per byte of floating-point output.
-
-    A sum hands each output an expanded scalar (0: no memory); cross-entropy a gradient of the
-    output's size (1). Found on fake tensors (one forward without autograd, and the loss's backward).
-    """
-    loss_fn = loss_fn or default_loss
-    inputs = tuple(example_inputs)
-    fake_mode = fake_mode_of(model, inputs)
-    fake_model, fake_inputs = fake_copy(model, fake_mode), to_fake(inputs, fake_mode)
-    with fake_mode:
-        with torch.no_grad():
-            out = fake_model(*fake_inputs)
-        out = torch.utils._pytree.tree_map(
-            lambda t: t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
-            out)
-        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        grads: dict[int, int] = {}  # the gradients as the loss hands them over (before .grad copies them)
-
-        def seen(g: torch.Tensor) -> None:
-            grads[g.untyped_storage()._cdata] = g.untyped_storage().nbytes()
-
-        for t in leaves:
-            t.register_hook(seen)
-        loss_fn(out).backward()
-    total = sum(t.untyped_storage().nbytes() for t in leaves)
-    return sum(grads.values()) / total if total else 0.0
-
-
 def real_copy(model: torch.nn.Module) -> torch.nn.Module:
     """``copy.deepcopy(model)`` with the parameters' ``.grad`` copied too (deepcopy drops them)."""
     out = copy.deepcopy(model)

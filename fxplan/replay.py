@@ -28,14 +28,17 @@ workspaces) and the loss function's own tensors. docs/rewrite.md gives its resid
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan import effects
 from fxplan.costgraph import CostGraph
+from fxplan.measure import default_loss, fake_copy, fake_mode_of, resident_bytes, to_fake
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,14 @@ class StepModel:
     output_grad: float
     views: dict[str, str]
     inplace: dict[str, str]
+    grad_inputs: dict[str, frozenset[str]] | None = None
 
 
-def step_model(cg: CostGraph, model: torch.nn.Module, resident: int, output_grad: float = 1.0) -> StepModel:
-    """The :class:`StepModel` of ``cg`` (traced from ``model``) with ``resident`` bytes held throughout
-    and ``output_grad`` bytes of loss gradient per byte of output."""
+def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
+               loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepModel:
+    """The :class:`StepModel` of ``cg``, traced from ``model`` with ``example_inputs`` (real or fake)."""
     gm: fx.GraphModule = cg.graph["gm"]
+    grad_inputs, output_grad = probe_gradients(gm, example_inputs, loss_fn)
     param_grads: dict[str, tuple[tuple[int, int], ...]] = {}
     views: dict[str, str] = {}
     inplace: dict[str, str] = {}
@@ -88,7 +93,86 @@ def step_model(cg: CostGraph, model: torch.nn.Module, resident: int, output_grad
     output = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = tuple(u.name for u in output.all_input_nodes if u.name in cg)
     grads_exist = any(p.grad is not None for p in model.parameters())
-    return StepModel(resident, grads_exist, param_grads, outputs, output_grad, views, inplace)
+    return StepModel(resident_bytes(model, example_inputs), grads_exist, param_grads, outputs, output_grad, views,
+                     inplace, grad_inputs)
+
+
+def probe_gradients(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None) -> tuple[dict[str, frozenset[str]], float]:
+    """Which inputs of each node its backward gives a gradient, and how big the loss's output gradients are.
+
+    One forward of ``gm`` on fake tensors records the autograd nodes each graph node creates; walking
+    back from a node's outputs through the autograd nodes it created finds the inputs whose gradient
+    it computes (a shape-only argument, an integer index, a detached value get none). Then ``loss_fn``'s
+    backward gives the bytes of the gradient it hands the outputs, per byte of floating-point output
+    (0 for a sum, which hands each output an expanded scalar; 1 for cross-entropy).
+    """
+    loss_fn = loss_fn or default_loss
+    inputs = tuple(example_inputs)
+    fake_mode = fake_mode_of(gm, inputs)
+    probe = _GradientProbe(fake_copy(gm, fake_mode))
+    with fake_mode, torch.enable_grad():
+        out = probe.run(*to_fake(inputs, fake_mode))
+        owner = {fn: name for name, fns in probe.outputs.items() for fn in fns}
+        grad_inputs = {}
+        for node in gm.graph.nodes:
+            if node.name in probe.outputs:
+                preds = {u.name for u in node.all_input_nodes}
+                reached = _reached(probe.outputs[node.name], probe.start[node.name], owner)
+                grad_inputs[node.name] = frozenset(reached & preds)
+        out = tree_map(lambda t: t.detach().requires_grad_() if _is_float(t) else t, out)
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads: dict[int, int] = {}  # the gradients as the loss hands them over (before .grad copies them)
+
+        def seen(g: torch.Tensor) -> None:
+            grads[g.untyped_storage()._cdata] = g.untyped_storage().nbytes()
+
+        for t in leaves:
+            t.register_hook(seen)
+        loss_fn(out).backward()
+    total = sum(t.untyped_storage().nbytes() for t in leaves)
+    return grad_inputs, (sum(grads.values()) / total if total else 0.0)
+
+
+def _is_float(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _reached(start_fns: set, first: int, owner: dict) -> set[str]:
+    """Graph nodes whose output autograd nodes are reached from ``start_fns`` through autograd nodes
+    created at or after sequence number ``first`` (those of the node being examined)."""
+    reached, seen, stack = set(), set(start_fns), list(start_fns)
+    while stack:
+        fn = stack.pop()
+        for nxt, _ in fn.next_functions:
+            if nxt is None or nxt in seen:
+                continue
+            seen.add(nxt)
+            if nxt in owner and nxt._sequence_nr() < first:
+                reached.add(owner[nxt])
+            elif nxt._sequence_nr() >= first:
+                stack.append(nxt)
+    return reached
+
+
+class _GradientProbe(fx.Interpreter):
+    """Runs a graph recording, per compute node, the autograd nodes of its outputs and the first
+    sequence number it used."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+        self.outputs: dict[str, set] = {}
+        self.start: dict[str, int] = {}
+
+    def run_node(self, n: fx.Node):
+        if n.op not in effects.COMPUTE_OPS:
+            return super().run_node(n)
+        marker = torch.zeros((), requires_grad=True) * 1  # the next sequence number, taken
+        self.start[n.name] = marker.grad_fn._sequence_nr()
+        out = super().run_node(n)
+        self.outputs[n.name] = {t.grad_fn for t in tree_leaves(out)
+                                if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        return out
 
 
 def _attr(gm: torch.nn.Module, target: str) -> object:
@@ -242,6 +326,8 @@ class _Replayer:
                 extra, replaced = 0, []
                 passes = PASS_THROUGH.get(cg.nodes[v].get("kind"))
                 for u in self.preds[v]:
+                    if sm.grad_inputs is not None and u not in sm.grad_inputs.get(v, ()):
+                        continue  # v's backward gives u no gradient (a shape, an index, a detached value)
                     size = int(cg.nodes[u]["M"])
                     shared = v in sm.views or passes == "slice" or (passes == "same" and size == cg.nodes[v]["M"])
                     if shared and u not in grad:

@@ -39,7 +39,7 @@ from fxplan import chen
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.measure import GiB, loss_gradient_fraction, measure_step, resident_bytes
+from fxplan.measure import GiB, measure_step
 from fxplan.memory_model import Memoized
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
 from fxplan.plans import Plan
@@ -86,8 +86,7 @@ class Search:
                  loss_fn: Callable[[Any], torch.Tensor] | None = None):
         check_choices("time", solver)
         self.cg, self.inputs, self.loss_fn = cg, example_inputs, loss_fn
-        self.step: StepModel = step_model(cg, model, resident_bytes(model, example_inputs),
-                                          loss_gradient_fraction(model, example_inputs, loss_fn))
+        self.step: StepModel = step_model(cg, model, example_inputs, loss_fn)
         self.ratio = 1.0  # the least measured / replayed peak seen so far, at most 1
         self.candidates: list[Candidate] = []
         self._plans = _candidate_plans(cg, model, solver)
