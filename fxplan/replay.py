@@ -62,13 +62,14 @@ class StepModel:
     views: dict[str, str]
     inplace: dict[str, str]
     grad_inputs: dict[str, frozenset[str]] | None = None
+    passes: frozenset[str] = frozenset()
 
 
 def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
                loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepModel:
     """The :class:`StepModel` of ``cg``, traced from ``model`` with ``example_inputs`` (real or fake)."""
     gm: fx.GraphModule = cg.graph["gm"]
-    grad_inputs, output_grad = probe_gradients(gm, example_inputs, loss_fn)
+    grad_inputs, passes, output_grad = probe_gradients(gm, example_inputs, loss_fn)
     param_grads: dict[str, tuple[tuple[int, int], ...]] = {}
     views: dict[str, str] = {}
     inplace: dict[str, str] = {}
@@ -94,18 +95,21 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     outputs = tuple(u.name for u in output.all_input_nodes if u.name in cg)
     grads_exist = any(p.grad is not None for p in model.parameters())
     return StepModel(resident_bytes(model, example_inputs), grads_exist, param_grads, outputs, output_grad, views,
-                     inplace, grad_inputs)
+                     inplace, grad_inputs, passes)
 
 
 def probe_gradients(gm: fx.GraphModule, example_inputs: Sequence[Any],
-                    loss_fn: Callable[[Any], torch.Tensor] | None = None) -> tuple[dict[str, frozenset[str]], float]:
-    """Which inputs of each node its backward gives a gradient, and how big the loss's output gradients are.
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                    ) -> tuple[dict[str, frozenset[str]], frozenset[str], float]:
+    """Which inputs of each node its backward gives a gradient, which nodes have no backward of their
+    own, and how big the loss's output gradients are.
 
     One forward of ``gm`` on fake tensors records the autograd nodes each graph node creates; walking
     back from a node's outputs through the autograd nodes it created finds the inputs whose gradient
-    it computes (a shape-only argument, an integer index, a detached value get none). Then ``loss_fn``'s
-    backward gives the bytes of the gradient it hands the outputs, per byte of floating-point output
-    (0 for a sum, which hands each output an expanded scalar; 1 for cross-entropy).
+    it computes (a shape-only argument, an integer index, a detached value get none). A node that
+    creates none (it builds or takes apart a tuple) hands its inputs their gradients as they come.
+    Then ``loss_fn``'s backward gives the bytes of the gradient it hands the outputs, per byte of
+    floating-point output (0 for a sum, which hands each output an expanded scalar; 1 for cross-entropy).
     """
     loss_fn = loss_fn or default_loss
     inputs = tuple(example_inputs)
@@ -113,13 +117,18 @@ def probe_gradients(gm: fx.GraphModule, example_inputs: Sequence[Any],
     probe = _GradientProbe(fake_copy(gm, fake_mode))
     with fake_mode, torch.enable_grad():
         out = probe.run(*to_fake(inputs, fake_mode))
-        owner = {fn: name for name, fns in probe.outputs.items() for fn in fns}
-        grad_inputs = {}
+        owner: dict = {}  # autograd node -> the first graph node whose output it made
+        for name, fns in probe.outputs.items():
+            for fn in fns:
+                owner.setdefault(fn, name)
+        grad_inputs, passes = {}, set()
         for node in gm.graph.nodes:
             if node.name in probe.outputs:
+                fns, first = probe.outputs[node.name], probe.start[node.name]
                 preds = {u.name for u in node.all_input_nodes}
-                reached = _reached(probe.outputs[node.name], probe.start[node.name], owner)
-                grad_inputs[node.name] = frozenset(reached & preds)
+                grad_inputs[node.name] = frozenset(_reached(fns, first, owner) & preds)
+                if fns and all(fn._sequence_nr() < first for fn in fns):
+                    passes.add(node.name)
         out = tree_map(lambda t: t.detach().requires_grad_() if _is_float(t) else t, out)
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         grads: dict[int, int] = {}  # the gradients as the loss hands them over (before .grad copies them)
@@ -131,7 +140,7 @@ def probe_gradients(gm: fx.GraphModule, example_inputs: Sequence[Any],
             t.register_hook(seen)
         loss_fn(out).backward()
     total = sum(t.untyped_storage().nbytes() for t in leaves)
-    return grad_inputs, (sum(grads.values()) / total if total else 0.0)
+    return grad_inputs, frozenset(passes), (sum(grads.values()) / total if total else 0.0)
 
 
 def _is_float(t: object) -> bool:
@@ -140,18 +149,19 @@ def _is_float(t: object) -> bool:
 
 def _reached(start_fns: set, first: int, owner: dict) -> set[str]:
     """Graph nodes whose output autograd nodes are reached from ``start_fns`` through autograd nodes
-    created at or after sequence number ``first`` (those of the node being examined)."""
-    reached, seen, stack = set(), set(start_fns), list(start_fns)
+    created at or after sequence number ``first`` (those of the node being examined). An output that
+    is an input unchanged (a tuple built or taken apart) reaches that input directly."""
+    reached, seen, stack = set(), set(), list(start_fns)
     while stack:
         fn = stack.pop()
-        for nxt, _ in fn.next_functions:
-            if nxt is None or nxt in seen:
-                continue
-            seen.add(nxt)
-            if nxt in owner and nxt._sequence_nr() < first:
-                reached.add(owner[nxt])
-            elif nxt._sequence_nr() >= first:
-                stack.append(nxt)
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if fn._sequence_nr() < first:
+            if fn in owner:
+                reached.add(owner[fn])
+            continue
+        stack.extend(nxt for nxt, _ in fn.next_functions)
     return reached
 
 
@@ -329,7 +339,8 @@ class _Replayer:
                     if sm.grad_inputs is not None and u not in sm.grad_inputs.get(v, ()):
                         continue  # v's backward gives u no gradient (a shape, an index, a detached value)
                     size = int(cg.nodes[u]["M"])
-                    shared = v in sm.views or passes == "slice" or (passes == "same" and size == cg.nodes[v]["M"])
+                    shared = (v in sm.views or v in sm.passes or passes == "slice"
+                              or (passes == "same" and size == cg.nodes[v]["M"]))
                     if shared and u not in grad:
                         grad[u] = grad[v]
                         self.hold(grad[u], ("grad", u))
