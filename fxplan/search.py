@@ -3,21 +3,25 @@
 A user's budget is a measured peak (:func:`fxplan.measure_step`); the solvers plan with a memory model.
 The search reconciles the two in a way that cannot depend on the budget asked for:
 
-1. **Candidates.** A fixed set of plans per model, inputs and solver, whatever the budget: for the
-   DP solvers, the time-centric plans at ``GRID`` solver budgets between the solver's smallest
-   feasible budget and the peak of no recomputation (denser towards the smallest), the plan without
-   recomputation, and the memory-centric plan (Kusumoto et al., sections 4.2-4.4); for Chen's solver,
-   the plans of Algorithm 3 over its grid of B (:func:`fxplan.chen.greedy_plans`) and the √n plan.
+1. **Candidates.** A fixed set of plans per model, inputs and solver, whatever the budget, generated
+   lazily in order of non-decreasing recomputation (:func:`_candidate_plans`): for the DP solvers, the
+   time-centric frontier walked down from the plan without recomputation in steps of ``STEP`` of the
+   predicted peak, then the plan at the solver's smallest predicted peak and the memory-centric plan
+   (Kusumoto et al., sections 4.2-4.4); the approximate DP plans with the sweep memory model
+   (:mod:`fxplan.sweep_model`), which ranks plans as measured far better than the autograd model. For
+   Chen's solver, the plans of Algorithm 3 over its grid of B (:func:`fxplan.chen.greedy_plans`) and
+   the √n plan.
 2. **Prediction.** Each candidate's peak is predicted by replaying its step
-   (:func:`fxplan.replay.replay`, within a few percent of the measurement on the zoo) and its
-   recomputation is known exactly (``recompute_fraction``).
+   (:func:`fxplan.replay.replay`, within 2.5% of the measurement on the zoo) and its recomputation is
+   known exactly (``recompute_fraction``).
 3. **Choice.** For a budget B: the candidate of least recomputation whose *measured* peak is at
    most B (ties: the lower measured peak). Without a budget: the least recomputation among the
    candidates whose measured peak is within ``NEGLIGIBLE`` of the smallest measured peak, so a plan
    that saves nothing measurable recomputes nothing. Memory-centric: the smallest measured peak.
-   Candidates are measured lazily (on fake tensors, exact): one whose replayed peak is above
-   B / (1 - margin) is taken not to fit without measuring it, which is exact as long as the replay
-   does not over-predict by more than the margin (the margin widens when a measurement shows more).
+   Candidates are measured lazily (on fake tensors, exact): one whose replayed peak, scaled by the
+   smallest ratio of measured to replayed peak seen so far, is above B / (1 - ``MARGIN``) is taken not
+   to fit without measuring it, which is exact as long as the replay does not over-predict one plan by
+   more than ``MARGIN`` beyond the plans measured.
 
 Because the candidate set does not depend on B and the choice is "least recomputation among those
 that fit", a larger budget never gets more recomputation, and its plan is never one that a smaller
@@ -52,11 +56,12 @@ logger = logging.getLogger("fxplan")
 FRONTIER = {"approx": 200, "exact": 40}
 
 #: Assumed bound on how much the replay over-predicts one plan's measured peak beyond what it does on
-#: the plans measured so far (its error was within 1% on the zoo, and mostly the same across plans).
+#: the plans measured so far (it over-predicted by at most 0.5% on the zoo: docs/rewrite.md).
 MARGIN = 0.01
 
 #: Relative step of the walk down the DP's frontier: plans whose predicted peaks are closer than this
-#: are not all visited (on the zoo this costs 0.4% of recomputation on average and saves 2-3x time).
+#: are not all visited (on ResNet-50 and DenseNet-161 this cost 0.2-0.4% of recomputation on average
+#: over budgets, and saved 2-3x the time of visiting every plan of the frontier).
 STEP = 0.01
 
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
