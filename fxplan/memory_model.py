@@ -102,6 +102,26 @@ class BoundModel:
         return Bd, inside
 
 
+def cache_and_recompute(ix: GraphIndex, sets: list[int], Af: np.ndarray, Bf: np.ndarray,
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """(G, H) of the autograd-style models for every pair of a family: G = M(∂(L') \\ L), the newly
+    cached boundary, and H = T(V'), except 0 for moves to V (the last segment is not recomputed).
+
+    ``Af``: the family's indicator matrix as floats; ``Bf``: the indicators of the sets' boundaries.
+    """
+    M = ix.M_np
+    G = (Bf @ M)[None, :] - (Af * M) @ Bf.T
+    TA = Af @ ix.T_np
+    H = TA[None, :] - TA[:, None]
+    H[:, [j for j, s in enumerate(sets) if s == ix.full]] = 0.0
+    return G, H
+
+
+def self_saved_bytes(ix: GraphIndex, so: int, sx: list[int]) -> list[float]:
+    """Per node, what its backward keeps of its own: its output if it saves it (``so``), and ``sx``."""
+    return [float(sx[i] + (ix.M[i] if so >> i & 1 else 0)) for i in range(ix.n)]
+
+
 def input_gradient_bytes(Bd: np.ndarray, inside: np.ndarray, sub: np.ndarray, M: np.ndarray) -> np.ndarray:
     """M(δ⁻(V') ∩ L) for every pair (L, L') of a family with L ⊊ L' (``sub``), V' = L' \\ L.
 
@@ -282,7 +302,7 @@ class _BoundAutograd(BoundModel):
 
     def pair_matrices(self, sets, A):
         ix, c = self.ix, self.cfg
-        M, T = ix.M_np, ix.T_np
+        M = ix.M_np
         n, S = ix.n, len(sets)
         Af = A.astype(np.float64)
         Bd, inside = self._common(A)
@@ -298,7 +318,7 @@ class _BoundAutograd(BoundModel):
         Rf = Rs.astype(np.float64)
         AM = Af * M
         MR = (Rf @ M)[None, :] - AM @ Rf.T
-        out_g = (Bf @ M)[None, :] - AM @ Bf.T
+        out_g, H = cache_and_recompute(ix, sets, Af, Bf)
         sxa = Af @ np.array(self.sx, dtype=np.float64)
         SX = sxa[None, :] - sxa[:, None]
         # only pairs L ⊊ L' matter: compute the two non-bilinear terms on those alone
@@ -327,16 +347,10 @@ class _BoundAutograd(BoundModel):
         trans = np.zeros((S, S))
         trans[pi, pj] = levels[lo]
         F = MR + SX + c.out_grad * out_g + c.in_grad * in_g + c.transient * trans
-        TA = Af @ T
-        H = TA[None, :] - TA[:, None]
-        full = [j for j, s in enumerate(sets) if s == ix.full]
-        H[:, full] = 0.0
         return F, out_g, H
 
     def lb_weights(self):
-        ix = self.ix
-        add = [float(self.sx[i] + (ix.M[i] if self.so >> i & 1 else 0)) for i in range(ix.n)]
-        return add, [self.cfg.transient * t for t in self.tau]
+        return self_saved_bytes(self.ix, self.so, self.sx), [self.cfg.transient * t for t in self.tau]
 
 
 class Memoized:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fxplan.lowersets import GraphIndex, iter_bits
-from fxplan.memory_model import BoundModel, input_gradient_bytes, saved_sets
+from fxplan.memory_model import BoundModel, cache_and_recompute, input_gradient_bytes, saved_sets, self_saved_bytes
 
 #: Node kinds whose backward hands an input the incoming gradient itself (``"same"``: when the input has
 #: the output's size) or a slice of it (``"slice"``); views share their operand's gradient likewise.
@@ -71,8 +71,8 @@ class _BoundSweep(BoundModel):
     def __init__(self, ix: GraphIndex):
         super().__init__(ix)
         n, M = ix.n, ix.M
-        so, si, self.sx = saved_sets(ix)
-        self.savers = [(1 << u) if so >> u & 1 else 0 for u in range(n)]  # nodes whose backward keeps u
+        self.so, si, self.sx = saved_sets(ix)
+        self.savers = [(1 << u) if self.so >> u & 1 else 0 for u in range(n)]  # nodes whose backward keeps u
         for w in range(n):
             for u in iter_bits(si[w]):
                 self.savers[u] |= 1 << w
@@ -136,7 +136,7 @@ class _BoundSweep(BoundModel):
     def pair_matrices(self, sets, A):
         ix = self.ix
         S, n = len(sets), ix.n
-        M, T = ix.M_np, ix.T_np
+        M = ix.M_np
         Af = A.astype(np.float64)
         Bd, inside = self._common(A)
         Bf = Bd.astype(np.float64)
@@ -163,15 +163,9 @@ class _BoundSweep(BoundModel):
             F[rows, j] = at.max(axis=0)
         # the values of ∂(L) that V' does not read (_freed): all of ∂(L) minus those it reads
         F -= (Bf @ M)[:, None] - input_gradient_bytes(Bd, inside, sub, M)
-        G = (Bf @ M)[None, :] - (Af * M) @ Bf.T
-        TA = Af @ T
-        H = TA[None, :] - TA[:, None]
-        full = [j for j, s in enumerate(sets) if s == ix.full]
-        H[:, full] = 0.0
+        G, H = cache_and_recompute(ix, sets, Af, Bf)
         return F, G, H
 
     def lb_weights(self):
-        ix = self.ix
-        so = sum(1 << u for u in range(ix.n) if self.savers[u] >> u & 1)
         # everything a member saves for itself is alive when the segment's last member is processed
-        return [float(self.sx[i] + (ix.M[i] if so >> i & 1 else 0)) for i in range(ix.n)], [0.0] * ix.n
+        return self_saved_bytes(self.ix, self.so, self.sx), [0.0] * self.ix.n

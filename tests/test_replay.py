@@ -12,6 +12,7 @@ import torchvision
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from models_awkward import AWKWARD, chunks, compute_names, random_plan
+from test_dp import small_dags
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxplan.codegen import segment_module
@@ -69,22 +70,12 @@ def test_replay_matches_the_meter_on_a_resnet_with_and_without_gradients():
 
 @st.composite
 def annotated_dags(draw, max_nodes: int = 7):
-    """Random DAGs with the tracer's attributes (kinds, saved values, extra saved bytes)."""
-    n = draw(st.integers(1, max_nodes))
-    nodes = [f"v{i}" for i in range(n)]
-    edges = []
-    for j in range(1, n):
-        preds = draw(st.lists(st.integers(0, j - 1), min_size=1, max_size=min(j, 3), unique=True))
-        edges += [(nodes[i], nodes[j]) for i in preds]
-    cg = CostGraph.from_edges(nodes, edges, {v: draw(st.integers(1, 9)) for v in nodes},
-                              {v: draw(st.integers(1, 40)) for v in nodes})
-    for v in nodes:
+    """The DP tests' random DAGs with the tracer's attributes (kinds, saved values, extra saved bytes)."""
+    cg = draw(small_dags(max_nodes=max_nodes))
+    for v in cg.nodes:
         cg.nodes[v]["kind"] = draw(st.sampled_from(["add", "cat", "conv", "relu", "flatten"]))
         cg.nodes[v]["saves_output"] = draw(st.booleans())
         cg.nodes[v]["saved"] = draw(st.sampled_from([0, 0, 5]))
-    for e in edges:
-        if draw(st.integers(0, 6)) == 0:
-            cg.edges[e]["order_only"] = True
     return cg
 
 
