@@ -2,8 +2,8 @@
 
 The solvers' memory models (:mod:`fxplan.memory_model`) reduce a segment to three numbers so the DP
 can compare every pair of lower sets; that forces them to assume the worst moment of every segment
-at once (every value the segment saves still alive while its largest gradient is computed), and they
-over-predict the measured peak by 5–30%. To choose between plans, and to show users a number they
+at once (every value the segment saves still alive while its largest gradient is computed), and the
+default one over-predicts measured peaks on the zoo by 3–54%. To choose between plans, and to show users a number they
 can trust, :func:`replay` instead runs the step the rewritten module runs (the canonical strategy of
 Kusumoto et al., section 3, as :mod:`fxplan.codegen` generates it), one node at a time, and counts the
 bytes of live storages as :func:`fxplan.measure_step` does:
@@ -21,9 +21,11 @@ bytes of live storages as :func:`fxplan.measure_step` does:
   starts without ``.grad``, added into the existing ones otherwise), then frees its own gradient and
   the values it saved once no other node needs them.
 
-The peak is the largest total, resident bytes (parameters, buffers, inputs, existing gradients)
-included. What it does not see: temporaries inside one op's kernel (convolution or BatchNorm
-workspaces) and the loss function's own tensors. docs/rewrite.md gives its residual error on the zoo.
+Which inputs receive gradients, and how large the loss's gradients of the outputs are, is probed once
+on fake tensors (:func:`probe_gradients`). The peak is the largest total, resident bytes (parameters,
+buffers, inputs, existing gradients) included. What it does not see: temporaries inside one op's
+kernel or inside a leaf module's backward (convolution workspaces, a crop taken as two slices) and
+the loss function's own tensors. docs/rewrite.md gives its residual error on the zoo (within 2.5%).
 """
 
 from __future__ import annotations
@@ -49,9 +51,11 @@ class StepModel:
     ``grads_exist``: the model already holds ``.grad`` tensors, so backward adds into them;
     ``param_grads``: per node, ``(key, bytes)`` of the parameters whose gradients its backward makes;
     ``outputs``: the nodes whose values the model returns; ``output_grad``: bytes of the gradient the
-    loss gives an output, per byte of output (:func:`fxplan.measure.loss_gradient_fraction`); ``views``:
-    node -> the node it returns a view of (no storage of its own); ``inplace``: node -> the node whose
-    value it overwrites.
+    loss gives an output, per byte of output; ``views``: node -> the node it returns a view of (no
+    storage of its own); ``inplace``: node -> the node whose value it overwrites; ``grad_inputs``:
+    node -> the inputs its backward gives a gradient; ``passes``: nodes without a backward of their
+    own (their inputs get the incoming gradient itself). The last three come from
+    :func:`probe_gradients`.
     """
 
     resident: int
@@ -61,8 +65,8 @@ class StepModel:
     output_grad: float
     views: dict[str, str]
     inplace: dict[str, str]
-    grad_inputs: dict[str, frozenset[str]] | None = None
-    passes: frozenset[str] = frozenset()
+    grad_inputs: dict[str, frozenset[str]]
+    passes: frozenset[str]
 
 
 def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -336,7 +340,7 @@ class _Replayer:
                 extra, replaced = 0, []
                 passes = PASS_THROUGH.get(cg.nodes[v].get("kind"))
                 for u in self.preds[v]:
-                    if sm.grad_inputs is not None and u not in sm.grad_inputs.get(v, ()):
+                    if u not in sm.grad_inputs.get(v, ()):
                         continue  # v's backward gives u no gradient (a shape, an index, a detached value)
                     size = int(cg.nodes[u]["M"])
                     shared = (v in sm.views or v in sm.passes or passes == "slice"

@@ -42,7 +42,7 @@ def rewrite(
 
     The budget is the peak of one whole training step as :func:`fxplan.measure_step` measures it (the
     step a training loop runs: the output is held while backward runs, existing ``.grad`` count), in
-    GiB (``budget_gb``) or bytes (``budget_bytes``); neither asks for the smallest peak fxplan reaches.
+    GiB (``budget_gb``) or bytes (``budget_bytes``); with neither, the smallest peak fxplan reaches.
     With ``example_inputs`` (real or fake tensors) the model is planned now and a
     :class:`~fxplan.codegen.SegmentedModule` (a ``torch.fx.GraphModule``) is returned; without them a
     module is returned that plans on its first call and re-plans when input shapes change.
