@@ -7,8 +7,9 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    lazily in order of non-decreasing recomputation (:func:`_candidate_plans`): for the DP solvers, the
    time-centric frontier walked down from the plan without recomputation in steps of ``STEP`` of the
    predicted peak, then the plan at the solver's smallest predicted peak and the memory-centric plan
-   (Kusumoto et al., sections 4.2-4.4); the approximate DP plans with the sweep memory model
-   (:mod:`fxplan.sweep_model`), which ranks plans as measured far better than the autograd model. For
+   (Kusumoto et al., sections 4.2-4.4); the DP plans with the sweep memory model
+   (:mod:`fxplan.sweep_model`), which ranks plans as measured far better than the autograd model
+   (except the exact DP on lattices too large for its family engine, :func:`_too_large_for_family`). For
    Chen's solver, the plans of Algorithm 3 over its grid of B (:func:`fxplan.chen.greedy_plans`) and
    the √n plan.
 2. **Prediction.** Each candidate's peak is predicted by replaying its step
@@ -39,10 +40,11 @@ from typing import Any
 
 import torch
 
-from fxplan import chen
+from fxplan import chen, dp
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
+from fxplan.lowersets import GraphIndex, enumerate_lower_sets
 from fxplan.measure import GiB, measure_step
 from fxplan.memory_model import Memoized
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
@@ -52,17 +54,20 @@ from fxplan.sweep_model import SweepModel
 
 logger = logging.getLogger("fxplan")
 
-#: Most plans taken from the DP's frontier, per solver (the exact DP is slower per solve).
-FRONTIER = {"approx": 200, "exact": 40}
+#: Most plans taken from the DP's frontier.
+FRONTIER = 200
 
 #: Assumed bound on how much the replay over-predicts one plan's measured peak beyond what it does on
 #: the plans measured so far (it over-predicted by at most 0.5% on the zoo: docs/rewrite.md).
 MARGIN = 0.01
 
 #: Relative step of the walk down the DP's frontier: plans whose predicted peaks are closer than this
-#: are not all visited (on ResNet-50 and DenseNet-161 this cost 0.2-0.4% of recomputation on average
-#: over budgets, and saved 2-3x the time of visiting every plan of the frontier).
+#: are not all visited (with the approximate DP on ResNet-50 and DenseNet-161 this cost 0.2-0.4% of
+#: recomputation on average over budgets, and saved 2-3x the time of visiting every plan).
 STEP = 0.01
+
+#: The same for the exact DP on lattices too large for its family engine, where a solve takes seconds.
+LARGE_STEP, LARGE_FRONTIER = 0.05, 12
 
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
 NEGLIGIBLE = 0.001
@@ -205,16 +210,29 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
         plans = chen.greedy_plans(cg) + [plan_graph(cg, model, None, strategy="time", solver="chen")]
         yield from sorted(plans, key=lambda p: p.recompute_fraction)
         return
+    large = solver == "exact" and _too_large_for_family(cg)
     # the sweep model ranks plans as measured far better than the autograd model (docs/rewrite.md), but
-    # the exact DP's search engine evaluates moves incrementally, which only the autograd model supports
-    memo = Memoized(SweepModel() if solver == "approx" else None)
+    # the exact DP's search engine (large lattices) evaluates moves incrementally, which only the
+    # autograd model (None: the default) supports; each of its solves is slow, so it walks coarser
+    memo = Memoized(None if large else SweepModel())
+    step, most = (LARGE_STEP, LARGE_FRONTIER) if large else (STEP, FRONTIER)
     lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo)
     target = 2**62  # no budget: the plan without recomputation comes first
-    for _ in range(FRONTIER[solver]):
+    for _ in range(most):
         p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo)
         yield p
-        target = p.predicted_peak_bytes - max(1, int(STEP * p.predicted_peak_bytes))
+        target = p.predicted_peak_bytes - max(1, int(step * p.predicted_peak_bytes))
         if target < lo:
             break
     yield plan_graph(cg, model, lo, strategy="time", solver=solver, memory_model=memo)
     yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo)
+
+
+
+def _too_large_for_family(cg: CostGraph) -> bool:
+    """True if the exact DP would use its search engine (more lower sets than its family engine takes)."""
+    try:
+        enumerate_lower_sets(GraphIndex.build(cg), limit=dp.FAMILY_LIMIT)
+    except FxplanError:
+        return True
+    return False
