@@ -228,7 +228,6 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
     yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo)
 
 
-
 def _too_large_for_family(cg: CostGraph) -> bool:
     """True if the exact DP would use its search engine (more lower sets than its family engine takes)."""
     try:
