@@ -9,9 +9,8 @@ from fxplan import bptt
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError, TraceError
 from fxplan.measure import StepStats, measure_step, track_memory
-from fxplan.planning import min_budget_bytes, plan
 from fxplan.plans import Plan
-from fxplan.rewriting import rewrite
+from fxplan.rewriting import min_budget_bytes, plan, rewrite
 
 __all__ = [
     "BudgetError", "CostGraph", "bptt", "FxplanError", "Plan", "StepStats", "TraceError", "measure_step",

@@ -12,9 +12,13 @@ Variants:
 
 ``"sqrt"``      section 4.3: ~√n segments of equal length (in topological positions), each ending at the
                 split point nearest to its ideal end;
-``"greedy"``    Algorithm 3 (memory planning with budget B) with the grid search over B of the appendix:
-                run with B = 0 to get (x, y), then try 6 values of B on a geometric grid over
-                [√(xy)/√2, √2·√(xy)] and keep the best plan by the memory model;
+``"greedy"``    Algorithm 3 (memory planning with budget B) with the grid search over B of section 4.3
+                and appendix A: run with B = 0 to get (x, y), then try 6 values of B on a geometric grid
+                over [√(xy)/√2, √2·√(xy)]. Chen et al. search that grid for the plan of least memory;
+                to honour a budget that leaves room for less recomputation, the grid is continued with
+                the same ratio up to B = M(V), where Algorithm 3 makes no split at all
+                (:func:`budget_grid_chains`). With a budget, the plan of least recomputation whose
+                predicted peak fits is kept; without one, the plan of least predicted peak;
 ``"recursive"`` section 4.4 with k = 1: split at the middle split point, then apply the same plan inside
                 each half (its subgraph is checkpointed again inside), recursively, down to single
                 segments; the result is a two-segment plan whose ``children`` hold the nested plans.
@@ -106,13 +110,49 @@ def _pick(ix: GraphIndex, bm: BoundModel, chains: list[list[int]], budget: int |
 
 def grid_chains(ix: GraphIndex, cands: list[int]) -> list[list[int]]:
     """The plans of Chen's grid search over B (appendix A), B = 0 first."""
-    splits, x, y = greedy_splits(ix, cands, 0)
-    chains = [_chain(ix, splits)]
-    b0 = math.sqrt(x * y)
-    for i in range(GRID_SIZE):
-        B = b0 * 2 ** (-0.5 + i / (GRID_SIZE - 1))
-        chains.append(_chain(ix, greedy_splits(ix, cands, B)[0]))
+    return [_chain(ix, greedy_splits(ix, cands, B)[0]) for B in _grid(ix, cands)]
+
+
+def budget_grid_chains(ix: GraphIndex, cands: list[int]) -> list[list[int]]:
+    """Chen's grid (:func:`grid_chains`) continued with the same ratio until B reaches M(V).
+
+    Larger B means fewer, longer stages: more memory, and a longer last stage, which is not
+    recomputed. The last value, B = M(V), gives the single segment (no recomputation). Duplicate
+    plans are dropped; the order is by increasing B.
+    """
+    grid = _grid(ix, cands)
+    total = ix.msum(ix.full)
+    ratio = 2 ** (1 / (GRID_SIZE - 1))
+    B = grid[-1]
+    while 0 < B < total:
+        B = min(B * ratio, total)
+        grid.append(B)
+    chains: list[list[int]] = []
+    for B in grid:
+        chain = _chain(ix, greedy_splits(ix, cands, B)[0])
+        if chain not in chains:
+            chains.append(chain)
     return chains
+
+
+def _grid(ix: GraphIndex, cands: list[int]) -> list[float]:
+    """B = 0, then 6 values on a geometric grid over [√(xy)/√2, √2·√(xy)] (appendix A)."""
+    _, x, y = greedy_splits(ix, cands, 0)
+    b0 = math.sqrt(x * y)
+    return [0.0] + [b0 * 2 ** (-0.5 + i / (GRID_SIZE - 1)) for i in range(GRID_SIZE)]
+
+
+def greedy_plans(cg: CostGraph, memory_model=None) -> list[Plan]:
+    """Every plan of :func:`budget_grid_chains`, predicted under ``memory_model`` (no budget applied).
+
+    These are the candidates a measured search chooses from (``fxplan.rewrite(..., solver="chen")``).
+    """
+    t0 = time.perf_counter()
+    ix = GraphIndex.build(cg)
+    bm = get_model(memory_model).bind(ix)
+    chains = budget_grid_chains(ix, split_points(ix))
+    return [plan_from_chain(ix, bm, ch, budget=None, strategy="greedy", solver="chen",
+                            seconds=time.perf_counter() - t0) for ch in chains]
 
 
 def _subgraph(cg: CostGraph, nodes: list[str]) -> CostGraph:
@@ -160,8 +200,9 @@ def solve(cg: CostGraph, budget_bytes: int | None = None, *, variant: str = "gre
           memory_model=None) -> Plan:
     """Chen et al.'s plan for ``cg`` (module docstring), predicted under ``memory_model``.
 
-    With ``budget_bytes``: the "greedy" grid keeps the least-overhead plan whose predicted peak fits; the
-    other variants are checked against it. Without: the grid keeps the plan of least predicted peak.
+    With ``budget_bytes``: the "greedy" grid (:func:`budget_grid_chains`) keeps the least-overhead plan
+    whose predicted peak fits; the other variants are checked against it. Without: the grid keeps the
+    plan of least predicted peak.
     Raises :class:`BudgetError` when the plan (every grid plan) exceeds the budget.
     """
     t0 = time.perf_counter()
@@ -177,10 +218,11 @@ def solve(cg: CostGraph, budget_bytes: int | None = None, *, variant: str = "gre
     ix = GraphIndex.build(cg)
     bm = get_model(memory_model).bind(ix)
     cands = split_points(ix)
-    chains = [_chain(ix, sqrt_splits(ix, cands))] if variant == "sqrt" else grid_chains(ix, cands)
+    chains = [_chain(ix, sqrt_splits(ix, cands))] if variant == "sqrt" else budget_grid_chains(ix, cands)
     chain = _pick(ix, bm, chains, budget_bytes)
     return plan_from_chain(ix, bm, chain, budget=budget_bytes, strategy=variant, solver="chen",
                            seconds=time.perf_counter() - t0)
 
 
-__all__ = ["grid_chains", "greedy_splits", "solve", "split_points", "sqrt_splits"]
+__all__ = ["budget_grid_chains", "greedy_plans", "grid_chains", "greedy_splits", "solve", "split_points",
+           "sqrt_splits"]

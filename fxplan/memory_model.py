@@ -103,6 +103,30 @@ class BoundModel:
         return self.transition(L, nxt)
 
 
+def saved_sets(ix: GraphIndex) -> tuple[int, list[int], list[int]]:
+    """What each node's backward keeps, from the tracer's attributes (module docstring).
+
+    Returns ``(so, si, sx)``: the bitset of nodes that keep their own output, per node the bitset of
+    predecessors whose outputs it keeps, and per node the extra bytes it keeps.
+    """
+    so, si, sx = 0, [0] * ix.n, [0] * ix.n
+    for i, v in enumerate(ix.names):
+        attrs = ix.cg.nodes[v]
+        if attrs.get("saves_output", False):
+            so |= 1 << i
+        if "saved_inputs" in attrs:
+            si[i] = ix.mask(u for u in attrs["saved_inputs"] if u in ix.pos) & ix.dpred[i]
+        else:
+            si[i] = ix.dpred[i]
+        sx[i] = int(attrs.get("saved", 0) or 0)
+    return so, si, sx
+
+
+def self_saved_bytes(ix: GraphIndex, so: int, sx: list[int]) -> list[float]:
+    """Per node, what its backward keeps of its own: its output if it saves it (``so``), and ``sx``."""
+    return [float(sx[i] + (ix.M[i] if so >> i & 1 else 0)) for i in range(ix.n)]
+
+
 class _BoundPaper(BoundModel):
     name = "paper"
 
@@ -181,21 +205,8 @@ class _BoundAutograd(BoundModel):
     def __init__(self, ix: GraphIndex, cfg: AutogradModel):
         super().__init__(ix)
         self.cfg = cfg
-        cg = ix.cg
-        n = ix.n
-        self.so = 0  # bitset of nodes that save their own output
-        self.si = [0] * n  # si[w]: bitset of predecessors whose output w's backward keeps
-        self.sx = [0] * n  # extra saved bytes
-        for i, v in enumerate(ix.names):
-            attrs = cg.nodes[v]
-            if attrs.get("saves_output", False):
-                self.so |= 1 << i
-            if "saved_inputs" in attrs:
-                self.si[i] = ix.mask(u for u in attrs["saved_inputs"] if u in ix.pos) & ix.dpred[i]
-            else:
-                self.si[i] = ix.dpred[i]
-            self.sx[i] = int(attrs.get("saved", 0) or 0)
-        self.tau = [ix.M[i] + ix.msum(ix.dpred[i]) for i in range(n)]
+        self.so, self.si, self.sx = saved_sets(ix)  # own output, inputs kept, extra bytes
+        self.tau = [ix.M[i] + ix.msum(ix.dpred[i]) for i in range(ix.n)]
 
     def _saved_members(self, Vp: int) -> int:
         r = self.so & Vp

@@ -36,8 +36,11 @@ class Plan:
     ``boundaries``          per segment, its members still needed by later segments: ∂(L_i) ∩ V_i, the
                             values the forward pass caches
     ``predicted_peak_bytes`` the memory model's peak: from the graph solvers, activations and their
-                            gradients only; from ``fxplan.plan`` / ``fxplan.rewrite``, the whole step
-                            (parameters, their gradients, buffers and inputs added)
+                            gradients only; from ``fxplan.planning.plan_graph``, the whole step
+                            (parameters, their gradients, buffers and inputs added); from ``fxplan.plan``
+                            / ``fxplan.rewrite``, the whole step replayed node by node (``memory_model``
+                            is then ``"replay"``, :mod:`fxplan.replay`), within a few percent of
+                            ``measured_peak_bytes``
     ``segment_peak_bytes``  the model's peak while each segment's backward runs
     ``overhead``            the objective the solver minimised: Σ H over segments under ``memory_model``
                             (``"paper"``: equation (1), T(V \\ U_k); ``"autograd"``: T of every segment but
@@ -54,7 +57,8 @@ class Plan:
     ``solve_seconds``       wall time of the solver
     ``children``            for Chen's recursive plan: segment index (as str) → Plan of that segment's
                             subgraph, which is itself checkpointed inside; empty otherwise
-    ``measured_peak_bytes`` the peak of one step of the rewritten model, measured (set by ``fxplan.rewrite``)
+    ``measured_peak_bytes`` the peak of one step of the rewritten model, measured on fake tensors (set by
+                            ``fxplan.plan`` and ``fxplan.rewrite``)
     """
 
     segments: list[list[str]]

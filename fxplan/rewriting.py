@@ -1,9 +1,10 @@
-"""``fxplan.rewrite``: plan, generate code, and hold the plan to measured memory.
+"""``fxplan.rewrite`` and ``fxplan.plan``: plans held to measured memory, one answer for one budget.
 
-The solvers predict memory with a model; :func:`fit_budget` measures each candidate rewrite on fake
-tensors (:func:`fxplan.measure_step`, exact) and searches the solver's budget until the measured peak
-of one step fits the user's budget. :class:`LazyRewrite` does the same on the first call when no
-example inputs were given.
+Both run the same measured search (:mod:`fxplan.search`): a fixed set of candidate plans, each
+predicted by replaying its step and measured on fake tensors (:func:`fxplan.measure_step`, exact)
+when it may fit, and the candidate of least recomputation whose measured peak fits the budget.
+``plan`` returns that plan; ``rewrite`` the generated module that runs it. :class:`LazyRewrite` does
+the same on the first call when no example inputs were given.
 """
 
 from __future__ import annotations
@@ -17,25 +18,14 @@ import torch
 
 from fxplan.capture import ExampleCall, capture
 from fxplan.codegen import SegmentedModule, segment_module
-from fxplan.costgraph import CostGraph
-from fxplan.errors import BudgetError, FxplanError
+from fxplan.errors import FxplanError
 from fxplan.measure import GiB, measure_step
-from fxplan.planning import (
-    budget_to_bytes,
-    check_choices,
-    min_budget_bytes_graph,
-    plan_graph,
-    resident_bytes,
-    solve_graph,
-)
+from fxplan.planning import budget_to_bytes, check_choices
 from fxplan.plans import Plan
+from fxplan.search import Search
 from fxplan.trace import trace, trace_module
 
 logger = logging.getLogger("fxplan")
-
-
-#: Rounds of bisection over the solver's budget when its first plan overshoots the measured budget.
-BISECTION_ROUNDS = 6
 
 
 def rewrite(
@@ -47,37 +37,83 @@ def rewrite(
     solver: str = "approx",
     plan: Plan | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    budget_bytes: int | None = None,
 ) -> torch.nn.Module:
-    """A drop-in replacement of ``model`` that recomputes activations so one training step fits ``budget_gb``.
+    """A drop-in replacement of ``model`` that recomputes activations so one training step fits the budget.
 
+    The budget is the peak of one whole training step as :func:`fxplan.measure_step` measures it (the
+    step a training loop runs: the output is held while backward runs, existing ``.grad`` count), in
+    GiB (``budget_gb``) or bytes (``budget_bytes``); with neither, the smallest peak fxplan reaches.
     With ``example_inputs`` (real or fake tensors) the model is planned now and a
     :class:`~fxplan.codegen.SegmentedModule` (a ``torch.fx.GraphModule``) is returned; without them a
     module is returned that plans on its first call and re-plans when input shapes change.
-    ``budget_gb=None`` asks for the smallest feasible budget. ``plan`` skips planning and uses the given
-    plan as is. ``loss_fn(output)`` is the loss used when measuring (default: sum of the outputs).
+    ``plan`` skips planning and uses the given plan as is (measured when example inputs are given).
+    ``loss_fn(output)`` is the loss used when measuring (default: sum of the outputs).
 
-    The budget is held to *measured* memory: each candidate plan is measured with
-    :func:`fxplan.measure_step` on fake tensors, and the solver's budget is bisected until the measured
-    peak fits with the least recomputation (:func:`fit_budget`). The result carries ``fxplan_plan``
-    (predicted and measured peak, recompute fraction, segments) and ``fxplan_measured_peak_bytes``.
-    Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the smallest measured peak reached.
+    The result is the plan of least recomputation whose measured peak fits (:mod:`fxplan.search`); it
+    carries ``fxplan_plan`` (replayed and measured peak, recompute fraction, segments) and
+    ``fxplan_measured_peak_bytes``. Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the
+    smallest measured peak fxplan reaches; that many bytes, as a budget, succeed.
     """
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
     if plan is not None:
         gm = trace_module(model) if example_inputs is None else capture(model, example_inputs).gm
-        return _attach(segment_module(gm, plan.segments), plan, None)
-    budget_bytes = budget_to_bytes(budget_gb)
+        module = segment_module(gm, plan.segments)
+        measured = None
+        if example_inputs is not None:
+            measured = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn).peak_bytes
+        module.fxplan_plan = replace(plan, measured_peak_bytes=measured)
+        module.fxplan_measured_peak_bytes = measured
+        return module
+    budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
     if example_inputs is None:
-        return LazyRewrite(model, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
-    return fit_budget(model, example_inputs, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
+        return LazyRewrite(model, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    return fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
 
 
-def _attach(module: SegmentedModule, chosen: Plan, measured: int | None) -> SegmentedModule:
-    module.fxplan_plan = replace(chosen, measured_peak_bytes=measured)
-    module.fxplan_measured_peak_bytes = measured
-    return module
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    budget_gb: float | None = None,
+    strategy: str = "time",
+    solver: str = "approx",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    budget_bytes: int | None = None,
+) -> Plan:
+    """The plan ``fxplan.rewrite`` would run for this budget: the same search, the same answer.
+
+    ``strategy``: ``"time"`` (least recomputation within the budget) or ``"memory"`` (lowest peak,
+    Kusumoto et al. section 4.4). ``solver``: ``"approx"`` (pruned lower sets, fast), ``"exact"`` (all
+    lower sets) or ``"chen"`` (Chen et al.'s Algorithm 3). The plan's ``predicted_peak_bytes`` is the
+    replayed whole-step peak and ``measured_peak_bytes`` the measured one (fake tensors: nothing is
+    allocated). Raises :class:`BudgetError` with ``min_feasible_bytes`` (measured bytes) if nothing fits.
+    """
+    budget = whole_step_budget(budget_gb, budget_bytes)
+    check_choices(strategy, solver)
+    module = fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    return module.fxplan_plan
+
+
+def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, solver: str = "approx",
+                     loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
+    """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
+    ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
+    search = Search(trace(model, example_inputs), model, example_inputs, solver=solver, loss_fn=loss_fn)
+    return search.smallest().measured
+
+
+def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
+    """The budget in bytes from either spelling (GiB rounded up to a whole byte, or bytes)."""
+    if budget_bytes is None:
+        return budget_to_bytes(budget_gb)
+    if budget_gb is not None:
+        raise FxplanError("give the budget once: budget_gb or budget_bytes, not both")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise FxplanError(f"budget_bytes must be a positive whole number of bytes, got {budget_bytes!r}")
+    return budget_bytes
 
 
 def fit_budget(
@@ -89,91 +125,12 @@ def fit_budget(
     solver: str,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
 ) -> SegmentedModule:
-    """Plan, rewrite and measure until the measured peak of one step is within ``budget_bytes``.
-
-    The solver's memory model is a prediction. The budget given to the solver is bisected, measuring
-    each candidate plan, and the plan with the largest solver budget (least recomputation) whose
-    measured peak fits is returned: above the user's budget when the model over-predicts, between the
-    solver's smallest feasible budget and the user's when it under-predicts.
-    """
-    module = _fit(trace(model, example_inputs), model, example_inputs, budget_bytes, strategy=strategy,
-                  solver=solver, loss_fn=loss_fn)
-    module.fxplan_plan = replace(module.fxplan_plan, budget_bytes=budget_bytes)
-    return module
-
-
-def _fit(cg: CostGraph, model, example_inputs, budget_bytes: int | None, *, strategy: str, solver: str,
-         loss_fn) -> SegmentedModule:
-    measured: dict[tuple[int | None, str], tuple[SegmentedModule, int] | None] = {}
-
-    def attempt(target: int | None, how: str = strategy) -> tuple[SegmentedModule, int] | None:
-        if (target, how) not in measured:
-            try:
-                chosen = plan_graph(cg, model, target, strategy=how, solver=solver)
-            except BudgetError:
-                measured[target, how] = None
-            else:
-                module = segment_module(cg.graph["gm"], chosen.segments)
-                peak = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn).peak_bytes
-                logger.debug("solver budget %s: %d segments, predicted %d, measured %d bytes", target,
-                             len(chosen.segments), chosen.predicted_peak_bytes, peak)
-                measured[target, how] = (_attach(module, chosen, peak), peak)
-        return measured[target, how]
-
-    if budget_bytes is None:
-        return attempt(None)[0]
-
-    def fits(result) -> bool:
-        return result is not None and result[1] <= budget_bytes
-
-    if strategy == "memory":
-        result = attempt(budget_bytes)
-        if not fits(result):
-            raise _infeasible(budget_bytes, attempt, measured)
-        return result[0]
-    # Bracket the largest solver budget whose plan fits when measured: [good_target, bad_target).
-    good_target, good = budget_bytes, attempt(budget_bytes)
-    if fits(good):
-        # The model is usually pessimistic: a larger solver budget may still fit, with less recomputation.
-        bad_target = _no_recompute_prediction(cg, model)
-        if bad_target <= good_target:
-            return good[0]
-        top = attempt(bad_target)
-        if fits(top):
-            return top[0]
-    else:
-        bad_target = budget_bytes
-        good_target = (min_budget_bytes_graph(cg, model, solver=solver) if solver != "chen"
-                       else resident_bytes(cg, model) + 1)
-        good = attempt(good_target)
-        if not fits(good):
-            raise _infeasible(budget_bytes, attempt, measured)
-    for _ in range(BISECTION_ROUNDS):
-        mid = (good_target + bad_target) // 2
-        candidate = attempt(mid)
-        if fits(candidate):
-            good, good_target = candidate, mid
-        else:
-            bad_target = mid
-    return good[0]
-
-
-def _no_recompute_prediction(cg: CostGraph, model: torch.nn.Module) -> int:
-    """The predicted peak (whole step) of the plan without recomputation, one segment (same for every DP)."""
-    single = solve_graph(cg, None, strategy="time", solver="approx")
-    return single.predicted_peak_bytes + resident_bytes(cg, model)
-
-
-def _infeasible(budget_bytes: int, attempt, measured) -> BudgetError:
-    """A BudgetError naming the smallest measured peak among the plans tried and the memory-centric one."""
-    attempt(None, "memory")
-    smallest = min(result[1] for result in measured.values() if result is not None)
-    return BudgetError(
-        f"no plan fits a measured peak of {budget_bytes / GiB:.3f} GiB ({budget_bytes} bytes); the smallest "
-        f"measured peak fxplan reaches is {smallest / GiB:.3f} GiB ({smallest} bytes). Raise budget_gb to at "
-        "least that, or reduce the batch size.",
-        min_feasible_bytes=smallest,
-    )
+    """Trace, search (:mod:`fxplan.search`) and return the chosen plan's module for ``budget_bytes``."""
+    search = Search(trace(model, example_inputs), model, example_inputs, solver=solver, loss_fn=loss_fn)
+    chosen = search.choose(budget_bytes, strategy)
+    logger.info("fxplan: %d segments, recompute %.1f%%, measured peak %.3f GiB", chosen.plan.num_segments,
+                100 * chosen.recompute, chosen.measured / GiB)
+    return search.result(chosen, budget_bytes)
 
 
 class LazyRewrite(torch.nn.Module):

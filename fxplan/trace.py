@@ -106,7 +106,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "flo
 def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) -> _CostPropagator:
     gm = captured.gm
     args, kwargs = captured.interface.graph_inputs(call.args, call.kwargs)
-    values = _placeholder_values(gm, args, kwargs, type(model).__name__)
+    values = placeholder_values(gm, args, kwargs, type(model).__name__)
     fake_mode = fake_mode_of(model, (call.args, call.kwargs))
     propagator = _CostPropagator(fake_copy(gm, fake_mode), fake_mode)
     try:
@@ -120,7 +120,7 @@ def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) ->
     return propagator
 
 
-def _placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict[str, Any], name: str) -> list[Any]:
+def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict[str, Any], name: str) -> list[Any]:
     """One value per placeholder of ``gm``: positional first, then by name, then the placeholder's default."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(args) > len(placeholders):

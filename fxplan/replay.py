@@ -1,0 +1,439 @@
+"""Predict the measured peak of a plan by replaying its training step on the cost graph.
+
+The solvers' memory models (:mod:`fxplan.memory_model`) reduce a segment to three numbers so the DP
+can compare every pair of lower sets; that forces them to assume the worst moment of every segment
+at once (every value the segment saves still alive while its largest gradient is computed), and the
+default one over-predicts measured peaks on the zoo by 3–54%. To choose between plans, and to show users a number they
+can trust, :func:`replay` instead runs the step the rewritten module runs (the canonical strategy of
+Kusumoto et al., section 3, as :mod:`fxplan.codegen` generates it), one node at a time, and counts the
+bytes of live storages as :func:`fxplan.measure_step` does:
+
+* forward: each segment in order; a value lives until its last reader has run (FX frees values after
+  their last use); a recomputed segment keeps only its inputs (non-reentrant checkpoint holds them
+  until the segment's backward is over); the last segment keeps what autograd saves (the cost
+  graph's ``saves_output``, ``saved_inputs`` and ``saved``); views and in-place ops share their
+  operand's storage, except where the rewriter gives an in-place op a private copy;
+* the training loop holds the model's outputs for the whole step (``out = model(x)``; ``loss =
+  loss_fn(out)``; ``loss.backward()``), and backward starts with a gradient for every output;
+* backward: segments in reverse order, nodes in reverse order inside each; a recomputed segment first
+  re-runs its forward to recover what it saves; processing a node allocates the gradients of its
+  inputs (a view's input gradient is a view of its own) and of its parameters (kept when the model
+  starts without ``.grad``, added into the existing ones otherwise), then frees its own gradient and
+  the values it saved once no other node needs them.
+
+Which inputs receive gradients, and how large the loss's gradients of the outputs are, is probed once
+on fake tensors (:func:`probe_gradients`). The peak is the largest total, resident bytes (parameters,
+buffers, inputs, existing gradients) included. What it does not see: temporaries inside one op's
+kernel or inside a leaf module's backward (convolution workspaces, a crop taken as two slices) and
+the loss function's own tensors. docs/rewrite.md gives its residual error on the zoo (within 2.5%).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves, tree_map
+
+from fxplan import effects
+from fxplan.capture import as_call
+from fxplan.costgraph import CostGraph
+from fxplan.measure import default_loss, fake_copy, fake_mode_of, resident_bytes, to_fake
+from fxplan.trace import placeholder_values
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What :func:`replay` needs besides the plan, computed once per cost graph (:func:`step_model`).
+
+    ``resident``: bytes held for the whole step (parameters, buffers, inputs, existing gradients);
+    ``grads_exist``: the model already holds ``.grad`` tensors, so backward adds into them;
+    ``param_grads``: per node, ``(key, bytes)`` of the parameters whose gradients its backward makes;
+    ``outputs``: the nodes whose values the model returns; ``output_grad``: bytes of the gradient the
+    loss gives an output, per byte of output; ``views``: node -> the node it returns a view of (no
+    storage of its own); ``inplace``: node -> the node whose value it overwrites; ``grad_inputs``:
+    node -> the inputs its backward gives a gradient; ``passes``: nodes without a backward of their
+    own (their inputs get the incoming gradient itself). The last three come from
+    :func:`probe_gradients`.
+    """
+
+    resident: int
+    grads_exist: bool
+    param_grads: dict[str, tuple[tuple[int, int], ...]]
+    outputs: tuple[str, ...]
+    output_grad: float
+    views: dict[str, str]
+    inplace: dict[str, str]
+    grad_inputs: dict[str, frozenset[str]]
+    passes: frozenset[str]
+
+
+def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
+               loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepModel:
+    """The :class:`StepModel` of ``cg``, traced from ``model`` with ``example_inputs`` (real or fake)."""
+    gm: fx.GraphModule = cg.graph["gm"]
+    grad_inputs, passes, output_grad = probe_gradients(cg, example_inputs, loss_fn)
+    param_grads: dict[str, tuple[tuple[int, int], ...]] = {}
+    views: dict[str, str] = {}
+    inplace: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.name not in cg:
+            continue
+        params: list[torch.nn.Parameter] = []
+        if node.op == "call_module":
+            params += gm.get_submodule(str(node.target)).parameters()
+        for u in node.all_input_nodes:
+            if u.op == "get_attr":
+                value = _attr(gm, str(u.target))
+                if isinstance(value, torch.nn.Parameter):
+                    params.append(value)
+        param_grads[node.name] = tuple((id(p), p.numel() * p.element_size()) for p in params if p.requires_grad)
+        mutated = effects.mutated_arg(node, gm)
+        source = effects.view_source(node, gm)
+        if mutated is not None:
+            inplace[node.name] = mutated.name
+        elif source is not None:
+            views[node.name] = source.name
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = tuple(u.name for u in output.all_input_nodes if u.name in cg)
+    grads_exist = any(p.grad is not None for p in model.parameters())
+    call = as_call(example_inputs)
+    resident = resident_bytes(model, (call.args, call.kwargs))
+    return StepModel(resident, grads_exist, param_grads, outputs, output_grad, views, inplace, grad_inputs, passes)
+
+
+def probe_gradients(cg: CostGraph, example_inputs: Any,
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                    ) -> tuple[dict[str, frozenset[str]], frozenset[str], float]:
+    """Which inputs of each node its backward gives a gradient, which nodes have no backward of their
+    own, and how big the loss's output gradients are.
+
+    One forward of ``gm`` on fake tensors records the autograd nodes each graph node creates; walking
+    back from a node's outputs through the autograd nodes it created finds the inputs whose gradient
+    it computes (a shape-only argument, an integer index, a detached value get none). A node that
+    creates none (it builds or takes apart a tuple) hands its inputs their gradients as they come.
+    Then ``loss_fn``'s backward gives the bytes of the gradient it hands the outputs, per byte of
+    floating-point output (0 for a sum, which hands each output an expanded scalar; 1 for cross-entropy).
+    """
+    loss_fn = loss_fn or default_loss
+    gm: fx.GraphModule = cg.graph["gm"]
+    captured = cg.graph["captured"]
+    call = as_call(example_inputs)
+    inputs = placeholder_values(gm, *captured.interface.graph_inputs(call.args, call.kwargs), type(gm).__name__)
+    fake_mode = fake_mode_of(gm, inputs)
+    probe = _GradientProbe(fake_copy(gm, fake_mode))
+    with fake_mode, torch.enable_grad():
+        out = captured.interface.output(probe.run(*to_fake(inputs, fake_mode)))
+        owner: dict = {}  # autograd node -> the first graph node whose output it made
+        for name, fns in probe.outputs.items():
+            for fn in fns:
+                owner.setdefault(fn, name)
+        grad_inputs, passes = {}, set()
+        for node in gm.graph.nodes:
+            if node.name in probe.outputs:
+                fns, first = probe.outputs[node.name], probe.start[node.name]
+                preds = {u.name for u in node.all_input_nodes}
+                grad_inputs[node.name] = frozenset(_reached(fns, first, owner) & preds)
+                if fns and all(fn._sequence_nr() < first for fn in fns):
+                    passes.add(node.name)
+        out = tree_map(lambda t: t.detach().requires_grad_() if _is_float(t) else t, out)
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads: dict[int, int] = {}  # the gradients as the loss hands them over (before .grad copies them)
+
+        def seen(g: torch.Tensor) -> None:
+            grads[g.untyped_storage()._cdata] = g.untyped_storage().nbytes()
+
+        for t in leaves:
+            t.register_hook(seen)
+        loss_fn(out).backward()
+    total = sum(t.untyped_storage().nbytes() for t in leaves)
+    return grad_inputs, frozenset(passes), (sum(grads.values()) / total if total else 0.0)
+
+
+def _is_float(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _reached(start_fns: set, first: int, owner: dict) -> set[str]:
+    """Graph nodes whose output autograd nodes are reached from ``start_fns`` through autograd nodes
+    created at or after sequence number ``first`` (those of the node being examined). An output that
+    is an input unchanged (a tuple built or taken apart) reaches that input directly."""
+    reached, seen, stack = set(), set(), list(start_fns)
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if fn._sequence_nr() < first:
+            if fn in owner:
+                reached.add(owner[fn])
+            continue
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return reached
+
+
+class _GradientProbe(fx.Interpreter):
+    """Runs a graph recording, per compute node, the autograd nodes of its outputs and the first
+    sequence number it used."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)
+        self.outputs: dict[str, set] = {}
+        self.start: dict[str, int] = {}
+
+    def run_node(self, n: fx.Node):
+        if n.op not in effects.COMPUTE_OPS:
+            return super().run_node(n)
+        marker = torch.zeros((), requires_grad=True) * 1  # the next sequence number, taken
+        self.start[n.name] = marker.grad_fn._sequence_nr()
+        out = super().run_node(n)
+        self.outputs[n.name] = {t.grad_fn for t in tree_leaves(out)
+                                if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        return out
+
+
+def _attr(gm: torch.nn.Module, target: str) -> object:
+    obj: object = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom, None)
+    return obj
+
+
+@dataclass
+class Replay:
+    """The replayed step: whole-step ``peak_bytes``; ``segment_peak_bytes[i]``, the peak while segment i's
+    backward (recomputation included) runs; ``forward_peak_bytes``, the peak of the forward pass."""
+
+    peak_bytes: int
+    segment_peak_bytes: list[int]
+    forward_peak_bytes: int
+
+
+def replay(cg: CostGraph, sm: StepModel, segments: Sequence[Sequence[str]]) -> Replay:
+    """Replay one training step of the plan ``segments`` (module docstring) and return its peaks."""
+    return _Replayer(cg, sm, segments).run()
+
+
+class _Replayer:
+    """One replay: live storages with their holders; a storage is freed when its last holder lets go."""
+
+    def __init__(self, cg: CostGraph, sm: StepModel, segments: Sequence[Sequence[str]]):
+        self.cg, self.sm = cg, sm
+        self.segments = [list(s) for s in segments]
+        self.k = len(segments)
+        self.seg = {v: i for i, names in enumerate(segments) for v in names}
+        self.order = [v for names in segments for v in names]
+        self.pos = {v: i for i, v in enumerate(self.order)}
+        data = [(u, w) for u, w, only in cg.edges(data="order_only") if not only]
+        self.preds: dict[str, list[str]] = {v: [] for v in self.order}
+        self.succs: dict[str, list[str]] = {v: [] for v in self.order}
+        for u, w in data:
+            self.preds[w].append(u)
+            self.succs[u].append(w)
+        self.copies = _inplace_copies(sm, self.order, self.seg, self.succs, self.k)
+        self.bytes: dict[int, int] = {}
+        self.holders: dict[int, set] = {}
+        self.current = self.peak = sm.resident
+        self.sid: dict[str, int] = {}  # node -> the storage of its value
+        self.saved: dict[str, list[int]] = {}  # node -> the storages its backward keeps
+        self.inputs: dict[int, list[int]] = {}  # recomputed segment -> the storages checkpoint keeps
+        self._next = 0
+
+    # ---------------------------------------------------------------------------- storages
+    def new(self, nbytes: int, holder) -> int:
+        sid = self._next
+        self._next += 1
+        self.bytes[sid] = nbytes
+        self.holders[sid] = {holder}
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+        return sid
+
+    def hold(self, sid: int, holder) -> None:
+        if sid in self.holders:
+            self.holders[sid].add(holder)
+
+    def release(self, sid: int, holder) -> None:
+        held = self.holders.get(sid)
+        if held is None:
+            return
+        held.discard(holder)
+        if not held:
+            del self.holders[sid]
+            self.current -= self.bytes.pop(sid)
+
+    def release_node(self, v: str, holder) -> None:
+        if v in self.sid:
+            self.release(self.sid[v], holder)
+
+    # ---------------------------------------------------------------------------- values
+    def produce(self, v: str, holder) -> None:
+        """Run node v: its value shares its operand's storage (view, in-place) or gets a new one."""
+        src = self.sm.inplace.get(v) if v not in self.copies else None
+        src = src or self.sm.views.get(v)
+        if src is not None and self.sid.get(src) in self.holders:
+            self.sid[v] = self.sid[src]
+            self.hold(self.sid[v], holder)
+        else:
+            self.sid[v] = self.new(int(self.cg.nodes[v]["M"]), holder)
+
+    def save(self, w: str) -> None:
+        """What autograd keeps for w's backward, held until w's backward has run."""
+        attrs = self.cg.nodes[w]
+        kept = [w] if attrs.get("saves_output", False) else []
+        kept += attrs.get("saved_inputs", self.preds[w])
+        held = self.saved.setdefault(w, [])
+        for u in kept:
+            if u in self.sid and self.sid[u] in self.holders:
+                self.hold(self.sid[u], ("saved", w))
+                held.append(self.sid[u])
+        extra = int(attrs.get("saved", 0) or 0)
+        if extra:
+            held.append(self.new(extra, ("saved", w)))
+
+    def unsave(self, w: str) -> None:
+        for s in self.saved.pop(w, ()):
+            self.release(s, ("saved", w))
+
+    # ---------------------------------------------------------------------------- the step
+    def run(self) -> Replay:
+        forward_peak = self.forward()
+        seg_peaks = self.backward()
+        return Replay(max(forward_peak, *seg_peaks), seg_peaks, forward_peak)
+
+    def forward(self) -> int:
+        segments, seg, pos = self.segments, self.seg, self.pos
+        frees: dict[int, list[str]] = {}
+        for v in self.order:
+            # FX frees a value after its last reader; a later segment's call holds it until it returns
+            ends = [pos[w] if seg[w] == seg[v] else pos[segments[seg[w]][-1]] for w in self.succs[v]]
+            frees.setdefault(max(ends, default=pos[v]), []).append(v)
+        outputs = set(self.sm.outputs)
+        for i, names in enumerate(segments):
+            if i < self.k - 1:  # checkpoint keeps the segment's inputs until its backward is over
+                self.inputs[i] = sorted({self.sid[u] for v in names for u in self.preds[v] if seg[u] != i})
+                for s in self.inputs[i]:
+                    self.hold(s, ("ckpt", i))
+            for v in names:
+                self.produce(v, ("val", v))
+                if v in outputs:
+                    self.hold(self.sid[v], "out")
+                if i == self.k - 1:
+                    self.save(v)
+                for u in frees.get(pos[v], ()):
+                    self.release_node(u, ("val", u))
+        return self.peak
+
+    def backward(self) -> list[int]:
+        cg, sm = self.cg, self.sm
+        grad: dict[str, int] = {}
+        for o in sm.outputs:
+            grad[o] = self.new(int(sm.output_grad * cg.nodes[o]["M"]), ("grad", o))
+        seen_params: set[int] = set()
+        seg_peaks = [0] * self.k
+        for i in range(self.k - 1, -1, -1):
+            self.peak = self.current
+            names = self.segments[i]
+            if i < self.k - 1:
+                self.recompute(names)
+            for v in reversed(names):
+                if v not in grad:  # nothing downstream needs a gradient through v
+                    self.unsave(v)
+                    continue
+                extra, replaced = 0, []
+                passes = PASS_THROUGH.get(cg.nodes[v].get("kind"))
+                for u in self.preds[v]:
+                    if u not in sm.grad_inputs.get(v, ()):
+                        continue  # v's backward gives u no gradient (a shape, an index, a detached value)
+                    size = int(cg.nodes[u]["M"])
+                    shared = (v in sm.views or v in sm.passes or passes == "slice"
+                              or (passes == "same" and size == cg.nodes[v]["M"]))
+                    if shared and u not in grad:
+                        grad[u] = grad[v]
+                        self.hold(grad[u], ("grad", u))
+                    elif u in grad:
+                        # a contribution, summed with the existing gradient into a new tensor (the meter
+                        # sees autograd sum out of place; on a real CPU step it may add in place instead)
+                        extra += size
+                        replaced.append((grad[u], u))
+                        grad[u] = self.new(size, ("grad", u))
+                    else:
+                        grad[u] = self.new(size, ("grad", u))
+                for key, nbytes in sm.param_grads.get(v, ()):
+                    if sm.grads_exist or key in seen_params:
+                        extra += nbytes
+                    else:
+                        seen_params.add(key)
+                        self.new(nbytes, ("param", key))
+                self.peak = max(self.peak, self.current + extra)
+                for old, u in replaced:
+                    self.release(old, ("grad", u))
+                self.release(grad.pop(v), ("grad", v))
+                self.unsave(v)
+            for s in self.inputs.get(i, ()):
+                self.release(s, ("ckpt", i))
+            seg_peaks[i] = self.peak
+        return seg_peaks
+
+    def recompute(self, names: list[str]) -> None:
+        """Re-run a checkpointed segment's forward for its backward.
+
+        Like non-reentrant checkpoint with early stop, the forward runs up to the last node that saves
+        something; values nobody saved are freed after their last reader inside the segment.
+        """
+        saving = [j for j, v in enumerate(names) if _saves(self.cg.nodes[v])]
+        if not saving:
+            return
+        run = names[: saving[-1] + 1]
+        index = {v: j for j, v in enumerate(run)}
+        frees: dict[int, list[str]] = {}
+        for j, v in enumerate(run):
+            end = max((index[w] for w in self.succs[v] if w in index), default=j)
+            frees.setdefault(end, []).append(v)
+        for j, v in enumerate(run):
+            self.produce(v, ("rval", v))
+            self.save(v)
+            for u in frees.get(j, ()):
+                self.release_node(u, ("rval", u))
+
+
+#: Ops whose backward hands the incoming gradient (or slices of it) to an input of the same size or
+#: smaller: an add gives both operands the output's gradient, a concatenation gives each input a slice.
+PASS_THROUGH = {"add": "same", "add_": "same", "iadd": "same", "cat": "slice", "concat": "slice",
+                "concatenate": "slice", "clone": "same", "contiguous": "same"}
+
+
+def _saves(attrs: dict) -> bool:
+    return bool(attrs.get("saves_output") or attrs.get("saved_inputs", True) or attrs.get("saved"))
+
+
+def _roots(sm: StepModel, order: Sequence[str]) -> dict[str, str]:
+    """Node -> the node whose storage its value lives in (through views and in-place ops)."""
+    root: dict[str, str] = {}
+    for v in order:
+        src = sm.inplace.get(v) or sm.views.get(v)
+        root[v] = root.get(src, src) if src is not None else v
+    return root
+
+
+def _inplace_copies(sm: StepModel, order: Sequence[str], seg: dict[str, int], succs, k: int) -> set[str]:
+    """In-place nodes the rewriter gives a private copy of their operand (:mod:`fxplan.codegen`'s rule:
+    a value sharing the overwritten storage is read, as a segment input, by a recomputed segment that
+    runs no later than the op)."""
+    root = _roots(sm, order)
+    members: dict[str, list[str]] = {}
+    for v in order:
+        members.setdefault(root[v], []).append(v)
+    copies = set()
+    for v, operand in sm.inplace.items():
+        if v not in seg or operand not in root:
+            continue
+        s = seg[v]
+        for m in members[root[operand]]:
+            if any(seg[r] <= s and seg[r] < k - 1 and seg[r] != seg[m] for r in succs[m]):
+                copies.add(v)
+                break
+    return copies

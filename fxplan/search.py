@@ -1,0 +1,236 @@
+"""The measured budget search behind ``fxplan.rewrite`` and ``fxplan.plan``.
+
+A user's budget is a measured peak (:func:`fxplan.measure_step`); the solvers plan with a memory model.
+The search reconciles the two in a way that cannot depend on the budget asked for:
+
+1. **Candidates.** A fixed set of plans per model, inputs and solver, whatever the budget, generated
+   lazily in order of non-decreasing recomputation (:func:`_candidate_plans`): for the DP solvers, the
+   time-centric frontier walked down from the plan without recomputation in steps of ``STEP`` of the
+   predicted peak, then the plan at the solver's smallest predicted peak and the memory-centric plan
+   (Kusumoto et al., sections 4.2-4.4); the DP plans with the sweep memory model
+   (:mod:`fxplan.sweep_model`), which ranks plans as measured far better than the autograd model
+   (except the exact DP on lattices too large for its family engine, :func:`_too_large_for_family`). For
+   Chen's solver, the plans of Algorithm 3 over its grid of B (:func:`fxplan.chen.greedy_plans`) and
+   the √n plan.
+2. **Prediction.** Each candidate's peak is predicted by replaying its step
+   (:func:`fxplan.replay.replay`, within 2.5% of the measurement on the zoo) and its recomputation is
+   known exactly (``recompute_fraction``).
+3. **Choice.** For a budget B: the candidate of least recomputation whose *measured* peak is at
+   most B (ties: the lower measured peak). Without a budget: the least recomputation among the
+   candidates whose measured peak is within ``NEGLIGIBLE`` of the smallest measured peak, so a plan
+   that saves nothing measurable recomputes nothing. Memory-centric: the smallest measured peak.
+   Candidates are measured lazily (on fake tensors, exact): one whose replayed peak, scaled by the
+   smallest ratio of measured to replayed peak seen so far, is above B / (1 - ``MARGIN``) is taken not
+   to fit without measuring it, which is exact as long as the replay does not over-predict one plan by
+   more than ``MARGIN`` beyond the plans measured.
+
+Because the candidate set does not depend on B and the choice is "least recomputation among those
+that fit", a larger budget never gets more recomputation, and its plan is never one that a smaller
+budget's plan beats on both peak and recomputation. The smallest measured peak over all candidates
+is what ``BudgetError.min_feasible_bytes`` reports, and exactly that budget is accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from fxplan import chen, dp
+from fxplan.codegen import SegmentedModule, segment_module
+from fxplan.costgraph import CostGraph
+from fxplan.errors import BudgetError, FxplanError
+from fxplan.lowersets import GraphIndex, enumerate_lower_sets
+from fxplan.measure import GiB, measure_step
+from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
+from fxplan.plans import Plan
+from fxplan.replay import StepModel, replay, step_model
+from fxplan.sweep_model import SweepModel
+
+logger = logging.getLogger("fxplan")
+
+#: Most plans taken from the DP's frontier.
+FRONTIER = 200
+
+#: Assumed bound on how much the replay over-predicts one plan's measured peak beyond what it does on
+#: the plans measured so far (it over-predicted by at most 0.5% on the zoo: docs/rewrite.md).
+MARGIN = 0.01
+
+#: Relative step of the walk down the DP's frontier: plans whose predicted peaks are closer than this
+#: are not all visited (with the approximate DP on ResNet-50 and DenseNet-161 this cost 0.2-0.4% of
+#: recomputation on average over budgets, and saved 2-3x the time of visiting every plan).
+STEP = 0.01
+
+#: The same for the exact DP on lattices too large for its family engine, where a solve takes seconds.
+LARGE_STEP, LARGE_FRONTIER = 0.05, 12
+
+#: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
+NEGLIGIBLE = 0.001
+
+
+@dataclass
+class Candidate:
+    """One plan of the search: its replayed peak, and once measured its peak and generated module."""
+
+    plan: Plan
+    replayed: int
+    segment_replayed: list[int]
+    measured: int | None = None
+    module: SegmentedModule | None = None
+    rejected: bool = False
+
+    @property
+    def recompute(self) -> float:
+        return self.plan.recompute_fraction
+
+
+class Search:
+    """The candidates of one model, inputs and solver, measured on demand (module docstring)."""
+
+    def __init__(self, cg: CostGraph, model: torch.nn.Module, example_inputs: tuple[Any, ...], *, solver: str,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None):
+        check_choices("time", solver)
+        self.cg, self.inputs, self.loss_fn = cg, example_inputs, loss_fn
+        self.step: StepModel = step_model(cg, model, example_inputs, loss_fn)
+        self.ratio = 1.0  # the least measured / replayed peak seen so far, at most 1
+        self.candidates: list[Candidate] = []
+        self._plans = _candidate_plans(cg, model, solver)
+        self._exhausted = False
+
+    def _walk(self) -> Iterator[Candidate]:
+        """Every candidate in the order of :func:`_candidate_plans`, generating plans as they are asked for."""
+        i = 0
+        while True:
+            if i < len(self.candidates):
+                yield self.candidates[i]
+                i += 1
+                continue
+            p = None if self._exhausted else next(self._plans, None)
+            if p is None:
+                self._exhausted = True
+                return
+            if all(c.plan.segments != p.segments for c in self.candidates):
+                r = replay(self.cg, self.step, p.segments)
+                self.candidates.append(Candidate(p, r.peak_bytes, r.segment_peak_bytes))
+
+    # ------------------------------------------------------------------------------------ measuring
+    def measure(self, c: Candidate) -> int | None:
+        """The measured peak of ``c`` (measured once); None if the rewriter rejects the plan."""
+        if c.measured is None and not c.rejected:
+            try:
+                c.module = segment_module(self.cg.graph["gm"], c.plan.segments)
+            except FxplanError as exc:
+                logger.debug("candidate with %d segments rejected by the rewriter: %s", c.plan.num_segments, exc)
+                c.rejected = True
+                return None
+            c.measured = measure_step(c.module, self.inputs, fake=True, loss_fn=self.loss_fn).peak_bytes
+            logger.debug("candidate: %d segments, recompute %.3f, replayed %d, measured %d bytes",
+                         c.plan.num_segments, c.recompute, c.replayed, c.measured)
+            self.ratio = min(self.ratio, c.measured / c.replayed)
+        return c.measured
+
+    def _may_fit(self, c: Candidate, budget: float) -> bool:
+        """False only if ``c`` cannot fit ``budget`` unless the replay errs by more than the margin."""
+        return c.replayed * self.ratio * (1 - MARGIN) <= budget
+
+    # ------------------------------------------------------------------------------------ choosing
+    def smallest(self) -> Candidate:
+        """The candidate of least measured peak (ties: least recomputation)."""
+        best: Candidate | None = None
+        for c in sorted(self._walk(), key=lambda c: (c.replayed, c.recompute)):
+            if best is not None and not self._may_fit(c, best.measured):
+                break
+            m = self.measure(c)
+            if m is not None and (best is None or (m, c.recompute) < (best.measured, best.recompute)):
+                best = c
+        if best is None:
+            raise FxplanError("the rewriter rejected every candidate plan; see the debug log of 'fxplan'")
+        return best
+
+    def least_recompute(self, budget: int) -> Candidate | None:
+        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak)."""
+        found: Candidate | None = None
+        for c in self._walk():  # recomputation never decreases along the walk
+            if found is not None and c.recompute > found.recompute:
+                break
+            if not self._may_fit(c, budget):
+                continue
+            m = self.measure(c)
+            if m is not None and m <= budget and (found is None or m < found.measured):
+                found = c
+        return found
+
+    def choose(self, budget_bytes: int | None, strategy: str) -> Candidate:
+        """The candidate for a whole-step budget (bytes; None: the smallest) and strategy (module docstring)."""
+        check_choices(strategy, "approx")
+        if strategy == "memory" or budget_bytes is None:
+            best = self.smallest()
+            if budget_bytes is not None and best.measured > budget_bytes:
+                raise self.infeasible(budget_bytes, best)
+            if strategy == "memory":
+                return best
+            return self.least_recompute(math.floor(best.measured * (1 + NEGLIGIBLE))) or best
+        found = self.least_recompute(budget_bytes)
+        if found is None:
+            raise self.infeasible(budget_bytes, self.smallest())
+        return found
+
+    def infeasible(self, budget_bytes: int, best: Candidate) -> BudgetError:
+        smallest = best.measured
+        return BudgetError(
+            f"no plan fits a measured peak of {budget_bytes / GiB:.3f} GiB ({budget_bytes} bytes); the smallest "
+            f"measured peak fxplan reaches is {smallest / GiB:.3f} GiB ({smallest} bytes). Raise the budget to "
+            f"at least that (budget_bytes={smallest} is accepted), or reduce the batch size.",
+            min_feasible_bytes=smallest,
+        )
+
+    def result(self, c: Candidate, budget_bytes: int | None) -> SegmentedModule:
+        """The chosen candidate's module, carrying its plan with replayed and measured peaks."""
+        plan = replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
+                       memory_model="replay", measured_peak_bytes=c.measured, budget_bytes=budget_bytes)
+        c.module.fxplan_plan = plan
+        c.module.fxplan_measured_peak_bytes = c.measured
+        return c.module
+
+
+def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iterator[Plan]:
+    """The candidate plans of ``solver`` (module docstring), whole-step predictions, in order of
+    non-decreasing recomputation, generated lazily.
+
+    DP solvers: the time-centric frontier walked down from the plan without recomputation (each next
+    plan is the solver's plan for a budget ``STEP`` below the previous plan's predicted peak, up to
+    ``FRONTIER`` plans), then the plan at the smallest predicted peak and the memory-centric plan.
+    """
+    if solver == "chen":
+        plans = chen.greedy_plans(cg) + [plan_graph(cg, model, None, strategy="time", solver="chen")]
+        yield from sorted(plans, key=lambda p: p.recompute_fraction)
+        return
+    large = solver == "exact" and _too_large_for_family(cg)
+    # the sweep model ranks plans as measured far better than the autograd model (docs/rewrite.md), but
+    # the exact DP's search engine (large lattices) evaluates moves incrementally, which only the
+    # autograd model (None: the default) supports; each of its solves is slow, so it walks coarser
+    memo = None if large else SweepModel()  # planning contexts (fxplan.dp.context) cache its priced moves
+    step, most = (LARGE_STEP, LARGE_FRONTIER) if large else (STEP, FRONTIER)
+    lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo)
+    target = 2**62  # no budget: the plan without recomputation comes first
+    for _ in range(most):
+        p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo)
+        yield p
+        target = p.predicted_peak_bytes - max(1, int(step * p.predicted_peak_bytes))
+        if target < lo:
+            break
+    yield plan_graph(cg, model, lo, strategy="time", solver=solver, memory_model=memo)
+    yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo)
+
+
+def _too_large_for_family(cg: CostGraph) -> bool:
+    """True if the exact DP would use its search engine (more lower sets than its family engine takes)."""
+    try:
+        enumerate_lower_sets(GraphIndex.build(cg), limit=dp.FAMILY_LIMIT)
+    except FxplanError:
+        return True
+    return False

@@ -1,0 +1,114 @@
+"""The two peak predictions behind budgets: the replay of a plan's step (``fxplan.replay``) against the
+meter, and the sweep memory model (``fxplan.sweep_model``) against its own definition."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from models_awkward import AWKWARD, chunks, compute_names, random_plan
+from test_dp import small_dags
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxplan.codegen import segment_module
+from fxplan.costgraph import CostGraph
+from fxplan.errors import FxplanError
+from fxplan.family import Family
+from fxplan.lowersets import GraphIndex, enumerate_lower_sets
+from fxplan.measure import measure_step
+from fxplan.replay import replay, step_model
+from fxplan.sweep_model import SweepModel
+from fxplan.trace import trace
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def replayed_and_measured(model, inputs, segments, loss_fn=None) -> tuple[int, int]:
+    cg = trace(model, inputs)
+    predicted = replay(cg, step_model(cg, model, inputs, loss_fn), segments).peak_bytes
+    module = segment_module(cg.graph["gm"], segments)
+    return predicted, measure_step(module, inputs, fake=True, loss_fn=loss_fn).peak_bytes
+
+
+# "bn" is left out: fxplan.trace cannot propagate BatchNorm(momentum=None) on fake tensors (its
+# cumulative average reads num_batches_tracked as a Python number), whatever the plan.
+@pytest.mark.parametrize("name", sorted(set(AWKWARD) - {"bn"}))
+def test_replay_matches_the_meter_on_awkward_models(name):
+    make, make_inputs = AWKWARD[name]
+    torch.manual_seed(0)
+    model, inputs = make().train(), make_inputs()
+    gm = trace(model, inputs).graph["gm"]
+    rng = random.Random(0)
+    plans = [chunks(compute_names(gm), k) for k in (1, 2, 4)] + [random_plan(gm, rng, 3)]
+    for segments in plans:
+        try:
+            predicted, measured = replayed_and_measured(model, inputs, segments)
+        except FxplanError:  # a random order the rewriter refuses (documented limit)
+            continue
+        # these models hold a few KiB: the scalars, expanded gradients and per-op temporaries the replay
+        # does not model are worth a few hundred bytes here, nothing on real networks (see below)
+        assert abs(predicted - measured) <= 0.05 * measured + 1024, (name, len(segments), predicted, measured)
+
+
+def test_replay_matches_the_meter_on_a_resnet_with_and_without_gradients():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).train()
+    with FakeTensorMode():
+        inputs = (torch.randn(16, 3, 64, 64),)
+    names = compute_names(trace(model, inputs).graph["gm"])
+    for k in (1, 3, 6):
+        predicted, measured = replayed_and_measured(model, inputs, chunks(names, k))
+        assert abs(predicted - measured) <= 0.01 * measured, (k, predicted, measured)
+    model(torch.randn(2, 3, 64, 64)).sum().backward()  # now the model holds gradients
+    predicted, measured = replayed_and_measured(model, inputs, chunks(names, 3))
+    assert abs(predicted - measured) <= 0.01 * measured
+
+
+@st.composite
+def annotated_dags(draw, max_nodes: int = 7):
+    """The DP tests' random DAGs with the tracer's attributes (kinds, saved values, extra saved bytes)."""
+    cg = draw(small_dags(max_nodes=max_nodes))
+    for v in cg.nodes:
+        cg.nodes[v]["kind"] = draw(st.sampled_from(["add", "cat", "conv", "relu", "flatten"]))
+        cg.nodes[v]["saves_output"] = draw(st.booleans())
+        cg.nodes[v]["saved"] = draw(st.sampled_from([0, 0, 5]))
+    return cg
+
+
+@settings(max_examples=60, deadline=None)
+@given(annotated_dags(), st.booleans(), st.booleans())
+def test_sweep_pair_costs_agree_with_transition_and_bound(cg, pruned, dense):
+    ix = GraphIndex.build(cg)
+    bm = SweepModel().bind(ix)
+    fam = Family.pruned(ix) if pruned else Family(ix, enumerate_lower_sets(ix))
+    fam.dense_counts = dense
+    pi, pj = fam.moves(np.zeros(fam.S), math.inf, np.arange(fam.S))
+    F, G, H = bm.pair_costs(fam, pi, pj)
+    add, mx = bm.lb_weights()
+    h = bm.h_weights()
+    for k, (i, j) in enumerate(zip(pi.tolist(), pj.tolist())):
+        L, Lp = fam.sets[i], fam.sets[j]
+        np.testing.assert_allclose((F[k], G[k], H[k]), bm.transition(L, Lp), atol=1e-6)
+        members = [m for m in range(ix.n) if (Lp & ~L) >> m & 1]
+        assert sum(add[m] for m in members) + max(mx[m] for m in members) <= F[k] + 1e-9
+        if Lp != ix.full:
+            assert sum(h[m] for m in members) <= H[k] + 1e-9
+
+
+def test_sweep_model_follows_the_backward_of_a_chain():
+    """a → b → c, each saving its input: the peak is at c's backward, not all saved plus the largest
+    transient as the autograd model has it."""
+    cg = CostGraph.from_edges("abc", [("a", "b"), ("b", "c")], dict(a=1, b=1, c=1), dict(a=100, b=10, c=1))
+    for v in "abc":
+        cg.nodes[v].update(kind="conv", saves_output=False)
+    ix = GraphIndex.build(cg)
+    F, _, _ = SweepModel().bind(ix).transition(0, ix.full)
+    # at c (processed first): saved a and b (110), c's gradient (1), b's new gradient (10)
+    # at b: saved a (100), b's gradient (10), a's new gradient (100) -> 210, the peak
+    assert F == 210
