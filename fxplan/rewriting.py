@@ -59,7 +59,7 @@ def rewrite(
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
     if plan is not None:
         gm = trace_module(model) if example_inputs is None else capture(model, example_inputs).gm
-        module = segment_module(gm, plan.segments)
+        module = segment_module(gm, plan.segments, plan.children)
         measured = None
         if example_inputs is not None:
             measured = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn).peak_bytes

@@ -122,7 +122,7 @@ class Search:
         """The measured peak of ``c`` (measured once); None if the rewriter rejects the plan."""
         if c.measured is None and not c.rejected:
             try:
-                c.module = segment_module(self.cg.graph["gm"], c.plan.segments)
+                c.module = segment_module(self.cg.graph["gm"], c.plan.segments, c.plan.children)
             except FxplanError as exc:
                 logger.debug("candidate with %d segments rejected by the rewriter: %s", c.plan.num_segments, exc)
                 c.rejected = True
