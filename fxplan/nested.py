@@ -163,24 +163,28 @@ class NestedSearch:
         return measure_step(module, self.inputs, fake=True, loss_fn=self.loss_fn).peak_bytes, module
 
     def _moves(self, blocks: list[Block], rank: dict[str, int]) -> Iterator[list[Block]]:
-        """Trees one move away from ``blocks``, most promising first (``rank``: node -> priority, 0 best)."""
-        moves: list[tuple[int, int, Callable[[], list[Block]]]] = []
+        """Trees one move away from ``blocks``, most promising first (``rank``: node -> priority, 0 best);
+        a segment's sub-plans are computed only when its turn comes."""
+        moves: list[tuple[int, int, int, int]] = []  # (priority, level, i, j): split i if j < 0, else merge i..j
         for li, level in enumerate(_levels(blocks)):
+            prio = [min(rank.get(v, len(rank)) for v in b.names) for b in level]
             for i, b in enumerate(level):
-                prio = min(rank.get(v, len(rank)) for v in b.names)
                 if b.sub is None and len(b.names) > 1:
-                    key = tuple(b.names)
-                    if key not in self._sub_plans:
-                        self._sub_plans[key] = sub_plans(self.cg, b.names)
-                    for p in self._sub_plans[key]:
-                        moves.append((prio, li, lambda li=li, i=i, p=p: self._apply(blocks, li, i, i, p)))
+                    moves.append((prio[i], li, i, -1))
                 # a run that ends with its level's last block is not checkpointed by itself: nothing changes
                 for j in range(i + 1, min(len(level) - 1, i + MERGE_RUN)):
-                    p2 = min(prio, *(rank.get(v, len(rank)) for bb in level[i:j + 1] for v in bb.names))
-                    moves.append((p2, li, lambda li=li, i=i, j=j: self._apply(blocks, li, i, j, None)))
-        moves.sort(key=lambda m: (m[0], m[1]))
-        for _, _, make in moves[:MOVES_PER_ROUND]:
-            yield make()
+                    moves.append((min(prio[i:j + 1]), li, i, j))
+        moves.sort()
+        for _, li, i, j in moves:
+            if j >= 0:
+                yield self._apply(blocks, li, i, j, None)
+                continue
+            names = list(_levels(blocks))[li][i].names
+            key = tuple(names)
+            if key not in self._sub_plans:
+                self._sub_plans[key] = sub_plans(self.cg, names)
+            for p in self._sub_plans[key]:
+                yield self._apply(blocks, li, i, i, p)
 
     @staticmethod
     def _apply(blocks: list[Block], li: int, i: int, j: int, split: list[list[str]] | None) -> list[Block]:
@@ -202,7 +206,9 @@ class NestedSearch:
         best, module = base_measured, None
         for _ in range(ROUNDS):
             round_best = None
-            for cand in self._moves(best_blocks, rank):
+            for n, cand in enumerate(self._moves(best_blocks, rank)):
+                if n == MOVES_PER_ROUND:
+                    break
                 got = self.measure(cand)
                 if got is not None and got[0] < (best if round_best is None else round_best[0]):
                     round_best = (got[0], got[1], cand)

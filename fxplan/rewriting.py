@@ -102,7 +102,7 @@ def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, s
     """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
     ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
     search = Search(trace(model, example_inputs), model, example_inputs, solver=solver, loss_fn=loss_fn)
-    return search.smallest().measured
+    return search.lowest().measured
 
 
 def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
