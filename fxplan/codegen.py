@@ -105,7 +105,10 @@ class SegmentedModule(fx.GraphModule):
         parts = [f"# {self._get_name()}.forward{self.code}"]
 
         def show(name: str, seg: Segment, indent: str) -> None:
-            tag = "recomputed in backward" if seg.fxplan_recompute else "kept for backward"
+            if not indent:
+                tag = "recomputed in backward" if seg.fxplan_recompute else "kept for backward"
+            else:
+                tag = "checkpointed again" if seg.fxplan_recompute else "runs as part of its segment"
             if seg.fxplan_children:
                 tag += f"; its sub-segments {', '.join(seg.fxplan_children)} checkpointed again inside"
             code = "".join(indent + line + "\n" if line else "\n" for line in seg.code.split("\n"))
@@ -406,7 +409,7 @@ def segment_module(
         if v.op == "placeholder":
             env[v] = top.node_copy(v)
     emitter = _Emitter(gm, {v: i for i, v in enumerate(nodes)}, blocks, iter(leaf_nodes))
-    seg_modules = emitter.emit(top, env, blocks, "segment", last_recomputed=False)
+    seg_modules = emitter.emit(top, env, blocks, "segment")
 
     for u in output.all_input_nodes:
         if u.op == "get_attr" and u not in env:
@@ -464,10 +467,11 @@ class _Emitter:
             out += self.nodes[id(b)]
         return sorted(out, key=self.pos.__getitem__)
 
-    def emit(self, g: fx.Graph, env: dict[fx.Node, fx.Node], blocks: list[subplans.Block], prefix: str,
-             last_recomputed: bool) -> dict[str, Segment]:
+    def emit(self, g: fx.Graph, env: dict[fx.Node, fx.Node], blocks: list[subplans.Block],
+             prefix: str) -> dict[str, Segment]:
         """Add one call per block to ``g`` (``env``: original node -> node of ``g``); return the segments
-        by attribute name. The last block is recomputed only as part of its parent (``last_recomputed``)."""
+        by attribute name. Every block but the last is checkpointed; the last one of a sub-plan is
+        recomputed as part of its parent segment only (its backward comes first, right after)."""
         made: dict[str, Segment] = {}
         k = len(blocks)
         for i, b in enumerate(blocks):
@@ -489,7 +493,7 @@ class _Emitter:
                 if v.op == "call_module" and str(v.target) not in targets:
                     targets.append(str(v.target))
             name = _segment_name(self.gm, f"{prefix}_", i)
-            recompute = i < k - 1 or last_recomputed
+            recompute = i < k - 1
             inner: dict[str, Segment] = {}
             if b.sub is None:
                 for v in block:
@@ -498,7 +502,7 @@ class _Emitter:
                             senv[u] = sg.node_copy(u)
                     senv[v] = sg.node_copy(v, senv.__getitem__)
             else:
-                inner = self.emit(sg, senv, b.sub, name, last_recomputed=recompute)
+                inner = self.emit(sg, senv, b.sub, name)
             if len(outputs) == 1:
                 sg.output(senv[outputs[0]])
             else:

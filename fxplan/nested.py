@@ -87,17 +87,18 @@ def _as_plan(cg: CostGraph, blocks: list[Block], base: Plan, before: set[str]) -
                    memory_model="measured", predicted_peak_bytes=0, measured_peak_bytes=None)
 
 
-def recompute_fraction(cg: CostGraph, blocks: list[Block], recomputed_above: int = 0, last_kept: bool = True) -> float:
+def recompute_fraction(cg: CostGraph, blocks: list[Block], recomputed_above: int = 0) -> float:
     """Forward cost recomputed per step ÷ one forward pass: each node counts once per checkpointed block
-    (at any level) that contains it, since each such block re-runs it in its backward."""
+    (at any level) that contains it, since each such block re-runs it in its backward. At every level the
+    last block is not checkpointed by itself (:mod:`fxplan.codegen`)."""
     total = cg.total_T() or 1.0
     cost = 0.0
     for i, b in enumerate(blocks):
-        checkpointed = not (last_kept and i == len(blocks) - 1)
+        times = recomputed_above + (i < len(blocks) - 1)
         if b.sub is None:
-            cost += (recomputed_above + checkpointed) * cg.total_T(b.names)
+            cost += times * cg.total_T(b.names)
         else:
-            cost += recompute_fraction(cg, b.sub, recomputed_above + checkpointed, last_kept=True) * total
+            cost += recompute_fraction(cg, b.sub, times) * total
     return cost / total
 
 

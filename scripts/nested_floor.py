@@ -60,6 +60,7 @@ def main() -> None:
                      _cell(floor, vanilla),
                      f"{flat.measured / floor:.2f}", f"{low.measured / floor:.2f}", f"{flat.recompute:.2f}",
                      f"{low.recompute:.2f}", _depth(low.plan), f"{seconds:.1f}"))
+        print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)  # progress: each row as it comes
     print(format_table(("network", "input, batch", "vanilla GiB", "canonical GiB", "nested GiB", "floor GiB",
                         "canonical/floor", "nested/floor", "recompute canonical", "recompute nested", "depth",
                         "nested search s"), rows))
