@@ -56,12 +56,16 @@ def test_nested_plans_train_exactly(name, seed):
     assert_same_training(ref, opt, inputs)
 
 
-def test_nested_plan_through_rewrite_train_and_eval():
-    make, make_inputs = AWKWARD["densenet_block"]
-    inputs = make_inputs()
+def traced(name):
+    """(model, inputs, traced module, compute node names) of an awkward model."""
+    make, make_inputs = AWKWARD[name]
     model = make()
     gm = fx.symbolic_trace(model)
-    names = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+    return model, make_inputs(), gm, [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+
+
+def test_nested_plan_through_rewrite_train_and_eval():
+    model, inputs, gm, names = traced("densenet_block")
     segments = [names[: len(names) // 2], names[len(names) // 2:]]
     sub = {"0": {"segments": [segments[0][:2], segments[0][2:]]},
            "1": {"segments": [segments[1][:1], segments[1][1:]]}}
@@ -76,11 +80,7 @@ def test_nested_plan_through_rewrite_train_and_eval():
 
 
 def test_nesting_survives_copies():
-    make, make_inputs = AWKWARD["bn"]
-    inputs = make_inputs()
-    model = make()
-    gm = fx.symbolic_trace(model)
-    names = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+    model, inputs, gm, names = traced("bn")
     opt = segment_module(gm, [names[:3], names[3:]], {"0": {"segments": [names[:1], names[1:3]]}})
     for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
         assert other.fxplan_children == opt.fxplan_children
@@ -89,9 +89,7 @@ def test_nesting_survives_copies():
 
 
 def test_bad_sub_plans_are_rejected():
-    make, _ = AWKWARD["bn"]
-    gm = fx.symbolic_trace(make())
-    names = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+    _, _, gm, names = traced("bn")
     segments = [names[:3], names[3:]]
     with pytest.raises(FxplanError, match="exactly that segment's nodes"):
         segment_module(gm, segments, {"0": {"segments": [names[:1], names[1:2]]}})
