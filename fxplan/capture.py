@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from fxplan.errors import TraceError
+from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 
 logger = logging.getLogger("fxplan")
 
@@ -311,8 +312,6 @@ def _check_arguments(model: torch.nn.Module, gm: fx.GraphModule, call: ExampleCa
 
 def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
     """Capture with non-strict ``torch.export`` on a fake copy of ``model`` (nothing real runs or changes)."""
-    from fxplan.measure import fake_copy, fake_mode_of, to_fake
-
     interface = CallInterface(model, call, flat=True)
     args, kwargs = interface.normalize(call.args, call.kwargs)
     fake_mode = fake_mode_of(model, (args, kwargs))
