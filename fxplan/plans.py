@@ -97,8 +97,10 @@ class Plan:
                 f"  budget {budget}; peak of one training step: {_fmt_bytes(self.measured_peak_bytes)} measured, "
                 f"{predicted} predicted",
                 "  (measured: one step of the rewritten model, counted exactly on fake tensors; the budget holds this.",
-                "   predicted: the planner's memory model, which chose the segments; it may exceed the measured peak "
-                "and the budget.)",
+                "   predicted: " + ("the step replayed node by node from the traced graph, a check on the measurement"
+                                    if self.memory_model == "replay" else
+                                    "the planner's memory model, which chose the segments; it may exceed the "
+                                    "measured peak and the budget") + ".)",
             ]
         else:
             lines.append(f"  budget {budget}; predicted peak of one training step {predicted} (the planner's "

@@ -41,7 +41,7 @@ from fxplan.capture import Captured, ExampleCall, as_call, capture, export_modul
 from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges, written_arguments
 from fxplan.errors import TraceError
-from fxplan.measure import fake_copy, fake_mode_of, to_fake
+from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 
 logger = logging.getLogger("fxplan")
 
