@@ -106,24 +106,33 @@ class Plan:
             lines.append(f"  budget {budget}; predicted peak of one training step {predicted} (the planner's "
                          "memory model; fxplan.rewrite measures the real peak)")
         lines.append(f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass")
+        lines += self._segment_lines("  ", top=True)
+        return "\n".join(lines)
+
+    def _segment_lines(self, indent: str, top: bool) -> list[str]:
+        """One line per segment; a nested segment's sub-segments (``children``) indented below it."""
+        k = self.num_segments
+        lines = []
         for i, seg in enumerate(self.segments):
-            kept = self.boundaries[i]
+            kept = self.boundaries[i] if i < len(self.boundaries) else []
             shown = ", ".join(kept[:4]) + (f", … (+{len(kept) - 4})" if len(kept) > 4 else "")
             if i == k - 1:
-                what = "not recomputed"
-            elif self.total_T:
+                what = "not recomputed" if top else "not checkpointed by itself (runs as part of its segment)"
+            elif self.total_T and i < len(self.segment_T):
                 what = f"recomputed in backward ({100 * self.segment_T[i] / self.total_T:.1f}% of a forward pass)"
             else:
                 what = "recomputed in backward"
             lines.append(
-                f"  [{i}] {_count(len(seg), 'op')} {seg[0]} … {seg[-1]}; keeps {_count(len(kept), 'value')}"
+                f"{indent}[{i}] {_count(len(seg), 'op')} {seg[0]} … {seg[-1]}; keeps {_count(len(kept), 'value')}"
                 + (f" [{shown}]" if kept else "")
-                + f"; {what}; predicted peak during its backward {_fmt_bytes(self.segment_peak_bytes[i])}"
+                + f"; {what}"
+                + (f"; predicted peak during its backward {_fmt_bytes(self.segment_peak_bytes[i])}"
+                   if i < len(self.segment_peak_bytes) else "")
             )
             if str(i) in self.children:
-                sub = self.children[str(i)].summary().splitlines()
-                lines.extend("      " + s for s in sub)
-        return "\n".join(lines)
+                lines.append(f"{indent}    sub-plan of [{i}], its sub-segments checkpointed again inside it:")
+                lines += self.children[str(i)]._segment_lines(indent + "    ", top=False)
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
