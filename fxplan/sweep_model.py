@@ -42,7 +42,7 @@ import numpy as np
 
 from fxplan.family import expand
 from fxplan.lowersets import GraphIndex, iter_bits
-from fxplan.memory_model import BoundModel, saved_sets, self_saved_bytes
+from fxplan.memory_model import BoundModel, saved_sets
 
 #: Node kinds whose backward hands an input the incoming gradient itself (``"same"``: when the input has
 #: the output's size) or a slice of it (``"slice"``); views share their operand's gradient likewise.
@@ -177,5 +177,15 @@ class _BoundSweep(BoundModel):
         return self.ix.T_np.copy()
 
     def lb_weights(self):
-        # everything a member saves for itself is alive when the segment's last member is processed
-        return self_saved_bytes(self.ix, self.so, self.sx), [0.0] * self.ix.n
+        """Σ over V' of what is alive when backward processes the segment's last member v_max (module
+        docstring): every ``sx[u]``, and ``M[u]`` for every member u that is saved or is a sink. A member
+        u with a saver (itself, or a reader that keeps it) has that saver in V' (a reader of u lies outside
+        the lower set L), so u is held from v_max on, or has a reader outside L' (then u ∈ ∂(L'), whose
+        gradient exists from the segment's start), and a sink's gradient exists from the start. The other
+        terms at v_max are non-negative: the ∂(L) gradients (+M until their last reader in L'), the cached
+        L ∩ ∂(L') (which pay for ``_freed``: a member of ∂(L) that V' does not read is read beyond L'),
+        and ``alloc[v_max]``. So the sum is at most F(L, L') for every move.
+        """
+        ix = self.ix
+        add = [float(self.sx[u] + (ix.M[u] if self.savers[u] or not ix.dsucc[u] else 0)) for u in range(ix.n)]
+        return add, [0.0] * ix.n
