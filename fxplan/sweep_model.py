@@ -136,7 +136,13 @@ class _BoundSweep(BoundModel):
 
     def pair_costs(self, fam, pi, pj):
         """Vectorised :meth:`transition`: per target set, its events once, then a cumulative sum of them
-        for all of its source sets together."""
+        for all of its source sets together.
+
+        Events of nodes that every source holds (``common``) count alike for all sources (a node of L is
+        never in V', always in L), so they are summed once; only the other nodes' events, and the events
+        of members of some source's boundary, are summed per source. On a long chain of sets the sources
+        of a target differ in a short window below it, so this is what keeps a move's price near O(|V'|).
+        """
         ix = self.ix
         n, M = ix.n, ix.M_np
         F = np.empty(len(pi))
@@ -147,21 +153,35 @@ class _BoundSweep(BoundModel):
         for j, a, b in zip(targets.tolist(), starts.tolist(), ends.tolist()):
             sel = order[a:b]
             rows = pi[sel]
-            in_L = np.unpackbits(fam.bits[rows], axis=1, bitorder="little", count=n).astype(bool)
-            on_bd = np.zeros_like(in_L)
+            common = np.unpackbits(np.bitwise_and.reduce(fam.bits[rows], axis=0), bitorder="little",
+                                   count=n).astype(bool)
             rep, flat = expand(fam.bd_ptr, rows)
-            on_bd[rep, fam.bd_node[flat]] = True
+            some_bd = np.zeros(n, dtype=bool)
+            some_bd[fam.bd_node[flat]] = True
             pos, w, node, gate = (np.array(x) for x in zip(*sorted(self._events(fam.sets[j]))))
-            counts = np.where(gate == _IN_SEGMENT, ~in_L[:, node],
-                              np.where(gate == _IN_L, in_L[:, node], on_bd[:, node]))
-            live = np.cumsum(counts * w.astype(np.float64), axis=1)  # [source, event]
-            v = np.flatnonzero(np.unpackbits(fam.bits[j], bitorder="little", count=n))  # nodes of L'
-            last = np.searchsorted(pos, v, side="right") - 1  # the last event at a position ≤ v
-            at = live[:, np.maximum(last, 0)]
-            at[:, last < 0] = 0.0
-            at += alloc[v]
-            at[in_L[:, v]] = -np.inf  # only v ∈ V' = L' \ L counts
-            F[sel] = at.max(axis=1)
+            w = w.astype(np.float64)
+            fixed = common[node] & (gate != _ON_BOUNDARY)
+            const = np.cumsum(np.where(fixed & (gate == _IN_L), w, 0.0))  # fixed events: IN_L counts, IN_SEGMENT not
+            var = np.flatnonzero(~fixed & ((gate != _ON_BOUNDARY) | some_bd[node]))
+            v = np.flatnonzero(np.unpackbits(fam.bits[j], bitorder="little", count=n) & ~common)  # V' ⊆ L' \ common
+            vn, vg = node[var], gate[var]
+            in_L = fam.member(np.repeat(rows, len(var)), np.tile(vn, len(rows))).reshape(len(rows), len(var))
+            cols = np.unique(vn)  # on_bd[source, k]: cols[k] ∈ ∂(L) of that source
+            on_bd = np.zeros((len(rows), len(cols)), dtype=bool)
+            bn = fam.bd_node[flat]
+            hit = np.isin(bn, cols)
+            on_bd[rep[hit], np.searchsorted(cols, bn[hit])] = True
+            counts = np.where(vg == _IN_SEGMENT, ~in_L,
+                              np.where(vg == _IN_L, in_L, on_bd[:, np.searchsorted(cols, vn)]))
+            live = np.cumsum(counts * w[var], axis=1)  # [source, variable event]
+            last = np.searchsorted(pos[var], v, side="right") - 1  # the last variable event at a position ≤ v
+            at = live[:, np.maximum(last, 0)] if len(var) else np.zeros((len(rows), len(v)))
+            if len(var):
+                at[:, last < 0] = 0.0
+            lastc = np.searchsorted(pos, v, side="right") - 1
+            at += np.where(lastc >= 0, const[np.maximum(lastc, 0)], 0.0) + alloc[v]
+            at[fam.member(np.repeat(rows, len(v)), np.tile(v, len(rows))).reshape(len(rows), len(v))] = -np.inf
+            F[sel] = at.max(axis=1)  # only v ∈ V' = L' \ L counts
         # the values of ∂(L) that V' does not read (:meth:`_freed`), and G, H as the autograd model's
         pair, u, stays, read, _ = fam.boundary_runs(pi, pj)
         P = len(pi)
