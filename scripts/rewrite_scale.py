@@ -23,34 +23,26 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
-import torch
-from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 from fxplan import rewriting, search
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from planner_scale import residual_net  # noqa: E402
 
 STAGES = {"trace": (rewriting, "trace"), "probe": (search, "step_model"), "solve": (search, "plan_graph"),
           "min": (search, "min_budget_bytes_graph"), "replay": (search, "replay"),
           "codegen": (search, "segment_module"), "measure": (search, "measure_step")}
 
 
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.ln, self.fc1, self.act, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(self.act(self.fc1(self.ln(x))))
-
-
 def build(name: str, batch: int):
     """(model, fake inputs, loss_fn) for ``synthetic:N`` or a zoo name."""
     if name.startswith("synthetic:"):
-        net = nn.Sequential(*[Block(64) for _ in range(int(name.split(":")[1]) // 5)])
-        with FakeTensorMode():
-            return net, (torch.randn(8, 128, 64),), None
+        net, x = residual_net(int(name.split(":")[1]))
+        return net, (x,), None
     import models_zoo
 
     entry = models_zoo.get(name)
