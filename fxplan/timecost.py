@@ -94,21 +94,25 @@ def _sync(device: torch.device) -> None:
 
 
 def _benchmark(device: torch.device) -> DeviceSpeed:
-    n = 4096 if device.type == "cuda" else 1024
+    cuda = device.type == "cuda"
     with torch.no_grad():
-        a = torch.randn(n, n, device=device)
-        b = torch.randn(n, n, device=device)
-        flops = 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device, 5)
-        del a, b
-        src = torch.empty(32 * 2**20 // 4 * (8 if device.type == "cuda" else 1), device=device).uniform_()
-        dst = torch.empty_like(src)
-        moved = 2 * src.numel() * src.element_size()
-        bandwidth = moved / _best_seconds(lambda: dst.copy_(src), device, 5)
-        del src, dst
+        flops = _matmul_flops_per_s(device, 4096 if cuda else 1024)
+        bandwidth = _copy_bytes_per_s(device, (256 if cuda else 32) * 2**20)
     # a training step records autograd history for every op: the fixed cost includes it
     one = torch.ones(1, device=device, requires_grad=True)
     per_op = _best_seconds(lambda: [one + one for _ in range(100)], device, 5) / 100
     return DeviceSpeed(str(device), flops, bandwidth, per_op, torch.get_num_threads())
+
+
+def _matmul_flops_per_s(device: torch.device, n: int) -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device, 5)
+
+
+def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
+    src = torch.empty(nbytes // 4, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, 5)
 
 
 # ---------------------------------------------------------------------------------------- bytes moved
