@@ -33,20 +33,19 @@ def main() -> None:
     parser.add_argument("names", nargs="*", default=["resnet50", "densenet161"])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--input-size", type=int, default=112)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--cost-models", nargs="+", default=["flops", "roofline"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = []
-    with fixed_threads(args.threads):
-        for name in args.names:
-            rows += measure_network(name, args, device)
     print(f"device: {device}, {args.threads} threads, batch {args.batch_size}, {args.input_size}², "
           f"{args.rounds} interleaved rounds after 1 warm-up round; ratio: median (interquartile range) of "
-          "per-round ratios to vanilla")
-    print(format_table(("network", "model", "cost model", "peak GiB", "vs vanilla", "recompute", "step s",
-                        "ratio to vanilla", "extra s predicted", "extra s measured"), rows))
+          "per-round ratios to vanilla", flush=True)
+    with fixed_threads(args.threads):
+        for name in args.names:  # one table per network, printed as soon as it is measured
+            rows = measure_network(name, args, device)
+            print(format_table(("network", "model", "cost model", "peak GiB", "vs vanilla", "recompute", "step s",
+                                "ratio to vanilla", "extra s predicted", "extra s measured"), rows), flush=True)
 
 
 def measure_network(name: str, args: argparse.Namespace, device: torch.device) -> list[tuple]:
