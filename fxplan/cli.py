@@ -118,7 +118,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print()
         _print_top_nodes(cg, "M", "largest outputs", args.top)
         print()
-        _print_top_nodes(cg, "T", "most expensive (forward FLOPs)", args.top)
+        cost = "predicted forward time on this machine" if cg.graph.get("T_seconds") else "forward FLOPs"
+        _print_top_nodes(cg, "T", f"most expensive ({cost})", args.top)
     print()
     print(f"vanilla peak of one training step, measured with {stats.meter} ({stats.seconds:.1f} s):")
     print(stats.table())
@@ -149,10 +150,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _print_top_nodes(cg, attr: str, title: str, top: int) -> None:
     nodes = sorted(cg.nodes, key=lambda v: cg.nodes[v][attr], reverse=True)[:top]
-    rows = [(v, cg.nodes[v]["kind"], f"{cg.nodes[v]['M'] / MiB:.1f}", f"{cg.nodes[v]['T'] / 1e9:.2f}")
-            for v in nodes]
+    unit = cg.graph.get("T_seconds")
+    rows = [(v, cg.nodes[v]["kind"], f"{cg.nodes[v]['M'] / MiB:.1f}",
+             f"{cg.nodes[v]['T'] * unit * 1e3:.3f}" if unit else f"{cg.nodes[v]['T'] / 1e9:.2f}") for v in nodes]
     print(f"{title}:")
-    print(format_table(("node", "kind", "output MiB", "GFLOPs"), rows))
+    print(format_table(("node", "kind", "output MiB", "forward ms" if unit else "GFLOPs"), rows))
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
