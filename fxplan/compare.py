@@ -278,12 +278,10 @@ def _time_interleaved(rows, live, inputs, loss_fn, device, repeats, threads, pro
     """Step times of every live method by :func:`fxplan.timing.time_interleaved`, vanilla the baseline."""
     by_name = {r.method: r for r in rows}
     steps = {name: training_step(module, inputs, loss_fn, device) for name, module in live.items()}
-    if "vanilla" not in steps:
-        return
     with progress.step(f"{network}: timing {len(live)} methods x {repeats} interleaved rounds "
                        f"at batch {rows[0].small_batch}") as step:
-        timings = time_interleaved(steps, baseline="vanilla", rounds=repeats, warmup=1, threads=threads,
-                                   on_round=step.update)
+        timings = time_interleaved(steps, baseline="vanilla" if "vanilla" in steps else None, rounds=repeats,
+                                   warmup=1, threads=threads, on_round=step.update)
     for name, t in timings.items():
         row = by_name[name]
         if t.error is not None:

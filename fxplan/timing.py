@@ -122,14 +122,15 @@ def training_step(module: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any
     return step
 
 
-def time_interleaved(steps: dict[str, Callable[[], float]], *, baseline: str, rounds: int, warmup: int = 1,
+def time_interleaved(steps: dict[str, Callable[[], float]], *, baseline: str | None, rounds: int, warmup: int = 1,
                      threads: int | None = None, on_round: Callable[[str], None] | None = None,
                      ) -> dict[str, Timing]:
     """Time every step function of ``steps`` (name -> function returning its seconds) over ``rounds``
     interleaved rounds after ``warmup`` rounds; module docstring. A step that raises is dropped from
-    later rounds and its :class:`Timing` keeps the exception in ``error``. Ratios are to ``baseline``.
+    later rounds and its :class:`Timing` keeps the exception in ``error``. Ratios are to ``baseline``
+    (None: no ratios).
     """
-    if baseline not in steps:
+    if baseline is not None and baseline not in steps:
         raise FxplanError(f"the baseline {baseline!r} is not among the timed steps ({', '.join(steps)})")
     if rounds < 1 or warmup < 0:
         raise FxplanError(f"need rounds >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")

@@ -146,3 +146,17 @@ def test_fixed_threads_restores_the_count():
     assert torch.get_num_threads() == before
     with pytest.raises(FxplanError), fixed_threads(0):
         pass
+
+
+def test_batch_for_step_doubles_until_a_step_is_long_enough():
+    from fxplan.timing import batch_for_step
+
+    asked: list[int] = []
+
+    def step_at(batch):
+        asked.append(batch)
+        return 0.1 * batch
+
+    assert batch_for_step(step_at, 4, most=64) == (8, pytest.approx(0.8))
+    assert asked == [4, 4, 8, 8]  # each batch warmed up once, then timed
+    assert batch_for_step(lambda b: 0.01, 4, most=20)[0] == 20  # capped: the caller warns
