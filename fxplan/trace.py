@@ -78,8 +78,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     """Capture ``model`` and propagate ``example_inputs`` (real or fake) into a cost graph.
 
     ``example_inputs`` is a tuple of positional arguments, a dict of keyword arguments or one tensor.
-    ``cost_model`` (module docstring) is ``"roofline"`` (default: works on fake tensors, costs a fraction
-    of a second, and gives the same plan on every run), ``"measured"`` (each distinct node timed on real
+    ``cost_model`` (module docstring) is ``"roofline"`` (default: works on fake tensors, costs little
+    more than counting FLOPs, and gives the same plan on every run), ``"measured"`` (each distinct node timed on real
     tensors: closer to the machine, slower, and varies with load), ``"flops"`` or ``"paper"`` (Kusumoto et
     al. section 3: 10 for a convolution, 1 otherwise). ``cg.graph["T_seconds"]`` is the seconds of one
     unit of T (1e-6 for the two time models; None for FLOPs and the paper's units, which are not time).
