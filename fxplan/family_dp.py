@@ -33,6 +33,9 @@ LEVEL_STEP = 8
 
 _EPS = 1e-6
 
+PRICED_LIMIT = 20_000_000
+"""Priced moves a planning context keeps for later solves (about 0.6 GB); beyond it, only the latest."""
+
 APPROX_MAX_MOVES = 30_000_000
 """Moves the approximate DP may price at once (about 1.2 GB); beyond it, an FxplanError."""
 
@@ -69,6 +72,7 @@ class Context:
     moves: dict = field(default_factory=dict)
     move_limit: dict = field(default_factory=dict)
     psi: dict = field(default_factory=dict)  # per family: (cap, ψ over the whole family's moves with F ≤ cap)
+    priced: dict = field(default_factory=dict)  # per family: every move priced so far (:func:`_price`)
 
     def family(self, exact: bool, max_sets: int | None = None) -> Family | None:
         """The pruned family {L_v} (section 4.3), or all lower sets (None if more than ``max_sets``)."""
@@ -127,6 +131,39 @@ class _Moves:
         return _Moves(self.pi[keep], self.pj[keep], self.F[keep], self.G[keep], self.H[keep])
 
 
+def _price(ctx: Context, fam: Family, pi: np.ndarray, pj: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(F, G, H) of the moves (pi, pj), each priced by the memory model at most once per context.
+
+    A move's costs depend on its two sets only, so the moves priced for one budget serve every later
+    solve on the graph (``fxplan.rewrite`` solves up to ``search.FRONTIER`` budgets): only the moves not
+    priced before are handed to ``pair_costs`` (in chunks of ``PRICE_CHUNK``, which bounds its temporary
+    arrays). Held as sorted keys ``j * S + i``; dropped when more than ``PRICED_LIMIT`` are held.
+    """
+    keys = pj.astype(np.int64) * fam.S + pi
+    memo = ctx.priced.get(id(fam))
+    F, G, H = np.empty(len(pi)), np.empty(len(pi)), np.empty(len(pi))
+    new = np.ones(len(pi), dtype=bool)
+    if memo is not None and len(memo[0]):
+        at = np.minimum(np.searchsorted(memo[0], keys), len(memo[0]) - 1)
+        new = memo[0][at] != keys
+        old = ~new
+        for out, col in zip((F, G, H), memo[1:]):
+            out[old] = col[at[old]]
+    idx = np.flatnonzero(new)
+    for lo in range(0, len(idx), PRICE_CHUNK):
+        part = idx[lo:lo + PRICE_CHUNK]
+        F[part], G[part], H[part] = ctx.bm.pair_costs(fam, pi[part], pj[part])
+    if len(idx):
+        add = np.unique(keys[idx], return_index=True)[1]
+        cols = [keys[idx][add], F[idx][add], G[idx][add], H[idx][add]]
+        if memo is not None and len(memo[0]) + len(add) <= PRICED_LIMIT:
+            cols = [np.concatenate([a, b]) for a, b in zip(memo, cols)]
+            order = np.argsort(cols[0], kind="stable")
+            cols = [c[order] for c in cols]
+        ctx.priced[id(fam)] = tuple(cols)
+    return F, G, H
+
+
 def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, targets: np.ndarray) -> _Moves:
     """Moves L_i ⊊ L_j (i in ``sources``, j in ``targets``, increasing family indices) with F ≤ ``cap``.
 
@@ -147,12 +184,9 @@ def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, ta
     if wkey not in fam.cache:
         fam.cache[wkey] = fam.sums(np.asarray(ctx.bm.lb_weights()[0], dtype=np.float64))
     pi, pj = fam.moves(fam.cache[wkey], cap, sources, targets, ctx.move_limit.get(id(fam), APPROX_MAX_MOVES))
-    parts = []
-    for lo in range(0, max(len(pi), 1), PRICE_CHUNK):  # chunks bound the pricing's temporary arrays
-        ci, cj = pi[lo:lo + PRICE_CHUNK], pj[lo:lo + PRICE_CHUNK]
-        part = _Moves(ci, cj, *ctx.bm.pair_costs(fam, ci, cj))
-        parts.append(part.restrict(part.F <= cap + _EPS) if np.isfinite(cap) else part)
-    mv = _Moves(*(np.concatenate([getattr(p, k) for p in parts]) for k in ("pi", "pj", "F", "G", "H")))
+    mv = _Moves(pi, pj, *_price(ctx, fam, pi, pj))
+    if np.isfinite(cap):
+        mv = mv.restrict(mv.F <= cap + _EPS)
     if len(sources) == len(targets) == fam.S:
         ctx.moves[id(fam)] = (cap, mv)
     return mv
@@ -269,7 +303,7 @@ def _chain_costs(ctx: Context, fam: Family, chain: list[int]) -> tuple[int, floa
     """(peak, overhead, peak of each segment) of a plan given as family indices, as :func:`evaluate_chain`."""
     pj = np.array(chain, dtype=np.int64)
     pi = np.r_[0, pj[:-1]]
-    F, G, H = ctx.bm.pair_costs(fam, pi, pj)
+    F, G, H = _price(ctx, fam, pi, pj)
     seg = [int(round(x)) for x in (np.cumsum(G) - G + F).tolist()]
     return max(seg), float(sum(H.tolist())), seg
 
@@ -306,7 +340,7 @@ def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, t
     #sets² moves into #sets.
     """
     tg = targets[targets != 0]
-    F0, G0, H0 = ctx.bm.pair_costs(fam, np.zeros(len(tg), dtype=np.int64), tg)
+    F0, G0, H0 = _price(ctx, fam, np.zeros(len(tg), dtype=np.int64), tg)
     settled = (H0 <= hsum[tg] + _EPS + 1e-9 * np.abs(hsum[tg])) & (F0 <= cap + _EPS)
     if not settled.any():
         return _priced_moves(ctx, fam, cap, sources, targets)

@@ -215,7 +215,8 @@ class Search:
         """The chosen candidate's module, carrying its plan with replayed and measured peaks."""
         plan = replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
                        memory_model=c.plan.memory_model if c.plan.children else "replay",
-                       measured_peak_bytes=c.measured, budget_bytes=budget_bytes)
+                       measured_peak_bytes=c.measured, budget_bytes=budget_bytes,
+                       T_seconds=self.cg.graph.get("T_seconds"))
         c.module.fxplan_plan = plan
         c.module.fxplan_measured_peak_bytes = c.measured
         return c.module

@@ -42,7 +42,7 @@ import numpy as np
 
 from fxplan.family import expand
 from fxplan.lowersets import GraphIndex, iter_bits
-from fxplan.memory_model import BoundModel, saved_sets, self_saved_bytes
+from fxplan.memory_model import BoundModel, saved_sets
 
 #: Node kinds whose backward hands an input the incoming gradient itself (``"same"``: when the input has
 #: the output's size) or a slice of it (``"slice"``); views share their operand's gradient likewise.
@@ -61,6 +61,9 @@ class SweepModel:
     def bind(self, ix: GraphIndex) -> BoundModel:
         return _BoundSweep(ix)
 
+
+#: Sources of one target priced together by the sweep model's ``pair_costs``.
+SOURCE_BLOCK = 64
 
 # Which sets an event's node must belong to for the event to count in segment V' = L' \ L.
 _IN_SEGMENT, _IN_L, _ON_BOUNDARY = 0, 1, 2
@@ -134,34 +137,62 @@ class _BoundSweep(BoundModel):
         H = 0.0 if Lp == ix.full else ix.tsum(Vp)
         return F, G, H
 
+    def _block_peaks(self, fam, rows, events, lp, alloc) -> np.ndarray:
+        """max over v ∈ V' of (live bytes + alloc[v]) for the sources ``rows`` of one target L' (whose
+        sorted events and member mask ``lp`` are given), before the ``_freed`` correction."""
+        n = self.ix.n
+        pos, w, node, gate = events
+        w = w.astype(np.float64)
+        common = np.unpackbits(np.bitwise_and.reduce(fam.bits[rows], axis=0), bitorder="little",
+                               count=n).astype(bool)
+        rep, flat = expand(fam.bd_ptr, rows)
+        bn = fam.bd_node[flat]
+        some_bd = np.zeros(n, dtype=bool)
+        some_bd[bn] = True
+        fixed = common[node] & (gate != _ON_BOUNDARY)
+        const = np.cumsum(np.where(fixed & (gate == _IN_L), w, 0.0))  # fixed events: IN_L counts, IN_SEGMENT not
+        var = np.flatnonzero(~fixed & ((gate != _ON_BOUNDARY) | some_bd[node]))
+        v = np.flatnonzero(lp & ~common)  # every V' = L' \ L lies in L' \ common
+        vn, vg = node[var], gate[var]
+        in_L = fam.member(np.repeat(rows, len(var)), np.tile(vn, len(rows))).reshape(len(rows), len(var))
+        cols = np.unique(vn)  # on_bd[source, k]: cols[k] ∈ ∂(L) of that source
+        on_bd = np.zeros((len(rows), len(cols)), dtype=bool)
+        hit = np.isin(bn, cols)
+        on_bd[rep[hit], np.searchsorted(cols, bn[hit])] = True
+        counts = np.where(vg == _IN_SEGMENT, ~in_L, np.where(vg == _IN_L, in_L, on_bd[:, np.searchsorted(cols, vn)]))
+        live = np.cumsum(counts * w[var], axis=1)  # [source, variable event]
+        last = np.searchsorted(pos[var], v, side="right") - 1  # the last variable event at a position ≤ v
+        at = live[:, np.maximum(last, 0)] if len(var) else np.zeros((len(rows), len(v)))
+        if len(var):
+            at[:, last < 0] = 0.0
+        lastc = np.searchsorted(pos, v, side="right") - 1
+        at += np.where(lastc >= 0, const[np.maximum(lastc, 0)], 0.0) + alloc[v]
+        at[fam.member(np.repeat(rows, len(v)), np.tile(v, len(rows))).reshape(len(rows), len(v))] = -np.inf
+        return at.max(axis=1)  # only v ∈ V' = L' \ L counts
+
     def pair_costs(self, fam, pi, pj):
         """Vectorised :meth:`transition`: per target set, its events once, then a cumulative sum of them
-        for all of its source sets together."""
+        for all of its source sets together.
+
+        The sources of a target go in blocks of ``SOURCE_BLOCK`` consecutive family indices. Events of
+        nodes that every source of a block holds count alike for all of them (a node of L is never in V',
+        always in L), so they are summed once; only the other nodes' events, and the events of members
+        of some source's boundary, are summed per source. On a chain of sets the sources of a block differ
+        in a short window, so a move costs about O(|V'|) rather than O(|L'|).
+        """
         ix = self.ix
         n, M = ix.n, ix.M_np
         F = np.empty(len(pi))
-        order = np.argsort(pj, kind="stable")
+        order = np.lexsort((pi, pj))  # by target, then source
         targets, starts = np.unique(pj[order], return_index=True)
         ends = np.r_[starts[1:], len(pi)]
         alloc = np.array(self.alloc, dtype=np.float64)
         for j, a, b in zip(targets.tolist(), starts.tolist(), ends.tolist()):
-            sel = order[a:b]
-            rows = pi[sel]
-            in_L = np.unpackbits(fam.bits[rows], axis=1, bitorder="little", count=n).astype(bool)
-            on_bd = np.zeros_like(in_L)
-            rep, flat = expand(fam.bd_ptr, rows)
-            on_bd[rep, fam.bd_node[flat]] = True
-            pos, w, node, gate = (np.array(x) for x in zip(*sorted(self._events(fam.sets[j]))))
-            counts = np.where(gate == _IN_SEGMENT, ~in_L[:, node],
-                              np.where(gate == _IN_L, in_L[:, node], on_bd[:, node]))
-            live = np.cumsum(counts * w.astype(np.float64), axis=1)  # [source, event]
-            v = np.flatnonzero(np.unpackbits(fam.bits[j], bitorder="little", count=n))  # nodes of L'
-            last = np.searchsorted(pos, v, side="right") - 1  # the last event at a position ≤ v
-            at = live[:, np.maximum(last, 0)]
-            at[:, last < 0] = 0.0
-            at += alloc[v]
-            at[in_L[:, v]] = -np.inf  # only v ∈ V' = L' \ L counts
-            F[sel] = at.max(axis=1)
+            events = tuple(np.array(x) for x in zip(*sorted(self._events(fam.sets[j]))))
+            lp = np.unpackbits(fam.bits[j], bitorder="little", count=n).astype(bool)
+            for c in range(a, b, SOURCE_BLOCK):  # a block: consecutive sources, alike sets
+                sel = order[c:min(b, c + SOURCE_BLOCK)]
+                F[sel] = self._block_peaks(fam, pi[sel], events, lp, alloc)
         # the values of ∂(L) that V' does not read (:meth:`_freed`), and G, H as the autograd model's
         pair, u, stays, read, _ = fam.boundary_runs(pi, pj)
         P = len(pi)
@@ -177,5 +208,15 @@ class _BoundSweep(BoundModel):
         return self.ix.T_np.copy()
 
     def lb_weights(self):
-        # everything a member saves for itself is alive when the segment's last member is processed
-        return self_saved_bytes(self.ix, self.so, self.sx), [0.0] * self.ix.n
+        """Σ over V' of what is alive when backward processes the segment's last member v_max (module
+        docstring): every ``sx[u]``, and ``M[u]`` for every member u that is saved or is a sink. A member
+        u with a saver (itself, or a reader that keeps it) has that saver in V' (a reader of u lies outside
+        the lower set L), so u is held from v_max on, or has a reader outside L' (then u ∈ ∂(L'), whose
+        gradient exists from the segment's start), and a sink's gradient exists from the start. The other
+        terms at v_max are non-negative: the ∂(L) gradients (+M until their last reader in L'), the cached
+        L ∩ ∂(L') (which pay for ``_freed``: a member of ∂(L) that V' does not read is read beyond L'),
+        and ``alloc[v_max]``. So the sum is at most F(L, L') for every move.
+        """
+        ix = self.ix
+        add = [float(self.sx[u] + (ix.M[u] if self.savers[u] or not ix.dsucc[u] else 0)) for u in range(ix.n)]
+        return add, [0.0] * ix.n

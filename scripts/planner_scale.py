@@ -32,13 +32,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SOLVES = ("min", "mc", "tc_min", "tc_30", "tc_50")
 
 
-def build_graph(nodes: int, path: Path) -> float:
-    """Trace the synthetic network with ``nodes`` compute nodes into ``path`` (pickle); returns seconds."""
+def residual_net(nodes: int):
+    """The synthetic network of ``nodes`` compute nodes (module docstring) and its fake input."""
     import torch
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fxplan.trace import trace
 
     class Block(nn.Module):
         def __init__(self, d: int):
@@ -50,7 +48,14 @@ def build_graph(nodes: int, path: Path) -> float:
 
     net = nn.Sequential(*[Block(64) for _ in range(nodes // 5)])
     with FakeTensorMode():
-        x = torch.randn(8, 128, 64)
+        return net, torch.randn(8, 128, 64)
+
+
+def build_graph(nodes: int, path: Path) -> float:
+    """Trace the synthetic network with ``nodes`` compute nodes into ``path`` (pickle); returns seconds."""
+    from fxplan.trace import trace
+
+    net, x = residual_net(nodes)
     t0 = time.perf_counter()
     cg = trace(net, [x])
     seconds = time.perf_counter() - t0

@@ -46,16 +46,17 @@ def hf_model(family: str, attn: str) -> tuple[nn.Module, dict]:
         return model, {"input_ids": _tokens(2, 12), "labels": _tokens(2, 12)}
     if family == "bert":
         model = tf.BertForMaskedLM(tf.BertConfig(**small, vocab_size=VOCAB, attn_implementation=attn))
-        return model, {"input_ids": _tokens(2, 12), "attention_mask": torch.ones(2, 12, dtype=torch.long),
-                       "labels": _tokens(2, 12)}
+        # long enough that activations, not the embedding's gradient, set the peak
+        return model, {"input_ids": _tokens(4, 32), "attention_mask": torch.ones(4, 32, dtype=torch.long),
+                       "labels": _tokens(4, 32)}
     if family == "t5":
         model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8,
                                                           vocab_size=VOCAB, attn_implementation=attn))
         return model, {"input_ids": _tokens(2, 10), "decoder_input_ids": _tokens(2, 6), "labels": _tokens(2, 6)}
     if family == "vit":
-        model = tf.ViTForImageClassification(tf.ViTConfig(**small, image_size=16, patch_size=8, num_labels=5,
+        model = tf.ViTForImageClassification(tf.ViTConfig(**small, image_size=32, patch_size=4, num_labels=5,
                                                           attn_implementation=attn))
-        return model, {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.tensor([1, 3])}
+        return model, {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.tensor([1, 3, 0, 4])}
     raise ValueError(family)
 
 

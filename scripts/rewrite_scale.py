@@ -1,0 +1,121 @@
+"""End-to-end time of ``fxplan.rewrite`` against one fake-tensor training step of the same model.
+
+Usage: python scripts/rewrite_scale.py [--models synthetic:300,synthetic:1000,resnet50] [--repeats 1]
+                                       [--batch N]
+
+Issue 10's goal: ``fxplan.rewrite`` (capture, plan, rewrite, budget fit) in at most 3x the time of one
+fake-tensor step (``fxplan.measure_step(model, inputs, fake=True)``), with no budget and with a middle
+budget (halfway between the smallest measured peak ``rewrite`` reaches and the step's own peak).
+``synthetic:N`` is scripts/planner_scale.py's residual network of N nodes (batch 8, sequence 128, width
+64); other names are zoo networks (``models_zoo.get``) at ``--batch`` (default: 8). Everything runs on
+fake tensors in this one process: a warm-up step, then per repeat the step, ``rewrite`` without a budget
+and ``rewrite`` at the middle budget, interleaved; medians and ranges over the repeats. The breakdown
+(seconds inside ``fxplan.search`` per stage, from the first no-budget rewrite) says where the time goes:
+``trace`` capture and cost propagation, ``probe`` the replay's gradient probe (``step_model``), ``solve``
+the DP solves of the candidate plans, ``replay`` their predicted peaks, ``codegen`` + ``measure`` the
+fake-tensor steps of the candidates measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fxplan
+from fxplan import rewriting, search
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from planner_scale import residual_net  # noqa: E402
+
+STAGES = {"trace": (rewriting, "trace"), "probe": (search, "step_model"), "solve": (search, "plan_graph"),
+          "min": (search, "min_budget_bytes_graph"), "replay": (search, "replay"),
+          "codegen": (search, "segment_module"), "measure": (search, "measure_step")}
+
+
+def build(name: str, batch: int):
+    """(model, fake inputs, loss_fn) for ``synthetic:N`` or a zoo name."""
+    if name.startswith("synthetic:"):
+        net, x = residual_net(int(name.split(":")[1]))
+        return net, (x,), None
+    import models_zoo
+
+    entry = models_zoo.get(name)
+    net = entry.build()
+    with FakeTensorMode():
+        inputs = entry.example_inputs(batch_size=batch)
+    return net, tuple(inputs), entry.loss
+
+
+def instrument() -> dict[str, list[float]]:
+    """Wrap the search's stages so their seconds are recorded (see the module docstring)."""
+    seconds: dict[str, list[float]] = defaultdict(list)
+    for stage, (module, attr) in STAGES.items():
+        fn = getattr(module, attr)
+
+        def timed(*a, _fn=fn, _stage=stage, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                seconds[_stage].append(time.perf_counter() - t0)
+
+        setattr(module, attr, timed)
+    return seconds
+
+
+def clock(fn) -> tuple[float, object]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f}" + (f" [{min(xs):.2f}-{max(xs):.2f}]" if len(xs) > 1 else "")
+
+
+def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]]) -> str:
+    net, inputs, loss = build(name, batch)
+    fxplan.measure_step(net, inputs, fake=True, loss_fn=loss)  # warm-up
+    steps, free, mid, breakdown, middle, peak, nodes = [], [], [], "", None, None, 0
+    for r in range(repeats):
+        t, st = clock(lambda: fxplan.measure_step(net, inputs, fake=True, loss_fn=loss))
+        steps.append(t)
+        seconds.clear()
+        t, m = clock(lambda: fxplan.rewrite(net, example_inputs=inputs, loss_fn=loss))
+        free.append(t)
+        if r == 0:
+            breakdown = ", ".join(f"{k} {sum(v):.1f}" + (f" ({len(v)}x)" if len(v) > 1 else "")
+                                  for k, v in seconds.items())
+            middle = (m.fxplan_measured_peak_bytes + st.peak_bytes) // 2
+            nodes = sum(len(s) for s in m.fxplan_plan.segments)
+        t, m2 = clock(lambda b=middle: fxplan.rewrite(net, example_inputs=inputs, loss_fn=loss, budget_bytes=b))
+        mid.append(t)
+        peak = (m.fxplan_measured_peak_bytes, m2.fxplan_measured_peak_bytes, st.peak_bytes)
+    step = statistics.median(steps)
+    return (f"| {name} | {nodes} | {spread(steps)} | {spread(free)} ({statistics.median(free) / step:.1f}x) | "
+            f"{spread(mid)} ({statistics.median(mid) / step:.1f}x) | "
+            f"{peak[0] / 2**20:.0f} / {peak[1] / 2**20:.0f} / {peak[2] / 2**20:.0f} | {breakdown} |")
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="synthetic:300,synthetic:1000,resnet50")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--batch", type=int, default=8)
+    args = p.parse_args(argv)
+    seconds = instrument()
+    print("| model | nodes | fake step s | rewrite, no budget s (x step) | rewrite, middle budget s (x step) | "
+          "measured peak MiB: no budget / middle / plain step | no-budget breakdown s |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models.split(","):
+        print(run(name, args.batch, args.repeats, seconds), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
