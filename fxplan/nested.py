@@ -48,7 +48,7 @@ from fxplan.sweep_model import SweepModel
 logger = logging.getLogger("fxplan")
 
 #: Most rounds of moves, and most moves measured per round.
-ROUNDS, MOVES_PER_ROUND = 6, 24
+ROUNDS, MOVES_PER_ROUND = 6, 12
 
 #: A round's best move is taken only if it lowers the measured peak by at least this fraction: smaller
 #: gains cost a recomputation and minutes of search each (ResNet-50 at batch 96: 2.4% in 5 rounds, 405 s).
