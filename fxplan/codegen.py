@@ -96,6 +96,15 @@ class SegmentedModule(fx.GraphModule):
         graph_args, graph_kwargs = interface.graph_inputs(args, kwargs)
         return interface.output(self._fxplan_graph_forward(*graph_args, **graph_kwargs))
 
+    def unplanned_reason(self, *args: Any, **kwargs: Any) -> str | None:
+        """Why a training call with these arguments would run the original forward instead of the plan
+        (a graph captured by torch.export is specialised to the planned call's input shapes), or None."""
+        original = self.__dict__.get("_fxplan_original")
+        interface = self.__dict__.get("_fxplan_interface")
+        if original is None or interface is None:
+            return None
+        return interface.mismatch(original, args, kwargs)
+
     def segment_modules(self) -> list[Segment]:
         """The segments, in execution order."""
         return [getattr(self, name) for name in self._fxplan_segment_names]

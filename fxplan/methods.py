@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from fxplan import peers
 from fxplan.errors import FxplanError
-from fxplan.measure import GiB
+from fxplan.measure import GiB, measure_step
 
 #: fxplan's methods: row name -> (strategy, solver). ``chen`` is Chen et al.'s plan (strategy ignored).
 FXPLAN_METHODS = {
@@ -187,9 +188,40 @@ def _fxplan(strategy: str, solver: str, point: float | None = None) -> Callable[
             if extra is not None and forward:
                 info.update(predicted_extra_seconds=extra,
                             predicted_time_ratio=1 + extra / (STEP_FORWARDS * forward))
-        return Prepared(module, info)
+        real = _planned_for_small_batch(ctx, module, strategy, solver, point)
+        if real is not None:
+            info["note"] = ("the captured graph is specialised to the main batch's input shapes (torch.export), "
+                            "so the real steps run a plan made the same way for the small batch")
+        return Prepared(module, info, real_module=real)
 
     return prepare
+
+
+def _planned_for_small_batch(ctx: Context, module: torch.nn.Module, strategy: str, solver: str,
+                             point: float | None) -> torch.nn.Module | None:
+    """A module planned for the small batch where ``module``'s plan would not run at it, else None.
+
+    Without it the real steps of an export-captured model would run its original forward and be
+    reported as fxplan's. The small-batch plan sits at the same place between that batch's smallest
+    peak and vanilla's as the main plan does.
+    """
+    from fxplan.codegen import SegmentedModule
+    from fxplan.rewriting import min_budget_bytes, rewrite
+
+    if ctx.small_inputs is None or not isinstance(module, SegmentedModule):
+        return None
+    small = tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, ctx.small_inputs)
+    if module.unplanned_reason(*small) is None:
+        return None
+    budget_bytes = None
+    if point is not None:
+        lo = min_budget_bytes(ctx.model, small, solver=solver, loss_fn=ctx.loss_fn)
+        hi = measure_step(ctx.model, small, fake=True, loss_fn=ctx.loss_fn).peak_bytes
+        budget_bytes = int(lo + point * (hi - lo))
+    with time_limit(ctx.time_limit if solver == "exact" else None):
+        real = rewrite(ctx.model, budget_bytes=budget_bytes, example_inputs=small, strategy=strategy,
+                       solver=solver, loss_fn=ctx.loss_fn)
+    return real if ctx.device.type == "cpu" else real_copy(real, ctx.device)
 
 
 def _min_budget(ctx: Context) -> int:

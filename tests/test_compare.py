@@ -9,12 +9,13 @@ import time
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 import fxplan
 from fxplan import cli, peers
 from fxplan.compare import compare_network
-from fxplan.methods import Method, MethodTimeout, Prepared, default_methods, select_methods, time_limit
+from fxplan.methods import Context, Method, MethodTimeout, Prepared, default_methods, select_methods, time_limit
 
 
 class TinyChain(nn.Module):
@@ -280,3 +281,22 @@ def test_fxplan_rows_use_the_real_planner():
         assert r.predicted_peak_bytes and r.segments and r.plan_seconds is not None
         assert math.isclose(r.reduction, 1 - r.peak_bytes / by["vanilla"].peak_bytes)
     assert not by["approx-time@0.5"].main
+
+
+def test_export_captured_model_real_steps_run_a_plan_for_the_small_batch():
+    """A graph torch.export captured is specialised to the main batch's shapes: the real steps at the
+    small batch must run a plan made for that batch, not the original forward reported as fxplan's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    lm_loss = lambda out: out.logits.float().pow(2).mean()  # noqa: E731
+    main, small = (torch.randint(0, 64, (4, 16)),), (torch.randint(0, 64, (2, 8)),)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_main = tuple(mode.from_tensor(x) for x in main)
+    ctx = Context("gpt2", model, lm_loss, fake_main, small, torch.device("cpu"), None)
+    (method,) = [m for m in default_methods(compile_budgets=(), curve_points=()) if m.name == "approx-memory"]
+    prepared = method.prepare(ctx)
+    assert prepared.module.unplanned_reason(*small) is not None
+    assert prepared.real_module is not None and prepared.real_module.unplanned_reason(*small) is None
+    assert "small batch" in prepared.info["note"]
