@@ -228,9 +228,9 @@ class _BoundSweep(BoundModel):
     def lb_weights(self):
         """Σ over V' of what is alive when backward processes the segment's last member v_max (module
         docstring): every ``sx[u]``, and ``M[u]`` for every member u that is saved or is a sink. A member
-        u with a saver (itself, or a reader that keeps it) has that saver in V' (a reader of u lies outside
-        the lower set L), so u is held from v_max on, or has a reader outside L' (then u ∈ ∂(L'), whose
-        gradient exists from the segment's start), and a sink's gradient exists from the start. The other
+        u that saves itself is held from v_max on; a reader that saves u is in V' (no reader of u is in
+        the lower set L), and then u is held from v_max on, or outside L', and then u ∈ ∂(L') and its
+        gradient exists from the segment's start; so does a sink's. The other
         terms at v_max are non-negative: the ∂(L) gradients (+M until their last reader in L'), the cached
         L ∩ ∂(L') (which pay for ``_freed``: a member of ∂(L) that V' does not read is read beyond L'),
         and ``alloc[v_max]``. So the sum is at most F(L, L') for every move.
