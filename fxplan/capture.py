@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from fxplan.errors import TraceError
+from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 
 logger = logging.getLogger("fxplan")
 
@@ -211,7 +213,8 @@ def symbolic_trace_module(model: torch.nn.Module) -> fx.GraphModule:
         return model
     tracer = _LocatingTracer()
     had = set(model.__dict__)
-    buffers = {name: (b, b.detach().clone()) for name, b in model.named_buffers()}
+    buffers = {name: (b, b._version, b.detach().clone() if _has_values(b) else None)
+               for name, b in model.named_buffers()}
     try:
         graph = tracer.trace(model)
     except Exception as exc:  # torch.fx raises many types; all mean "not traceable"
@@ -232,15 +235,27 @@ def symbolic_trace_module(model: torch.nn.Module) -> fx.GraphModule:
     return owning_graph_module(model, graph, constants)
 
 
-def _restore(buffers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[str]:
-    """Put back every buffer whose value changed; return their names."""
+def _restore(buffers: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[str]:
+    """Put back every buffer whose value changed; return their names.
+
+    Fake and meta buffers have no values to compare or restore: an in-place update shows in their
+    version counter instead (Python code that updates a buffer, which is what tracing runs, bumps it).
+    """
     changed = []
     with torch.no_grad():
-        for name, (buf, saved) in buffers.items():
-            if not torch.equal(buf, saved):
+        for name, (buf, version, saved) in buffers.items():
+            if saved is None:
+                if buf._version != version:
+                    changed.append(name)
+            elif not torch.equal(buf, saved):
                 buf.copy_(saved)
                 changed.append(name)
     return changed
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """False for fake and meta tensors, whose values cannot be read."""
+    return not (t.is_meta or isinstance(t, FakeTensor))
 
 
 class _LocatingTracer(fx.Tracer):
@@ -297,8 +312,6 @@ def _check_arguments(model: torch.nn.Module, gm: fx.GraphModule, call: ExampleCa
 
 def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
     """Capture with non-strict ``torch.export`` on a fake copy of ``model`` (nothing real runs or changes)."""
-    from fxplan.measure import fake_copy, fake_mode_of, to_fake
-
     interface = CallInterface(model, call, flat=True)
     args, kwargs = interface.normalize(call.args, call.kwargs)
     fake_mode = fake_mode_of(model, (args, kwargs))

@@ -118,7 +118,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print()
         _print_top_nodes(cg, "M", "largest outputs", args.top)
         print()
-        _print_top_nodes(cg, "T", "most expensive (forward FLOPs)", args.top)
+        cost = "predicted forward time on this machine" if cg.graph.get("T_seconds") else "forward FLOPs"
+        _print_top_nodes(cg, "T", f"most expensive ({cost})", args.top)
     print()
     print(f"vanilla peak of one training step, measured with {stats.meter} ({stats.seconds:.1f} s):")
     print(stats.table())
@@ -149,10 +150,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _print_top_nodes(cg, attr: str, title: str, top: int) -> None:
     nodes = sorted(cg.nodes, key=lambda v: cg.nodes[v][attr], reverse=True)[:top]
-    rows = [(v, cg.nodes[v]["kind"], f"{cg.nodes[v]['M'] / MiB:.1f}", f"{cg.nodes[v]['T'] / 1e9:.2f}")
-            for v in nodes]
+    unit = cg.graph.get("T_seconds")
+    rows = [(v, cg.nodes[v]["kind"], f"{cg.nodes[v]['M'] / MiB:.1f}",
+             f"{cg.nodes[v]['T'] * unit * 1e3:.3f}" if unit else f"{cg.nodes[v]['T'] / 1e9:.2f}") for v in nodes]
     print(f"{title}:")
-    print(format_table(("node", "kind", "output MiB", "GFLOPs"), rows))
+    print(format_table(("node", "kind", "output MiB", "forward ms" if unit else "GFLOPs"), rows))
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -171,7 +173,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     comparison = compare_models(
         entries, batch_size=args.batch_size, input_size=args.input_size, small_batch=args.small_batch,
         small_input_size=args.small_input_size, methods=methods, progress=Progress(args.quiet),
-        repeats=args.repeats, time_limit_s=args.time_limit or None, device=device)
+        repeats=args.repeats, threads=args.threads, time_limit_s=args.time_limit or None, device=device)
     comparison.meta["command"] = compare_command_line(args)
     paths = write_report(comparison, args.out)
     print(summary_table(comparison))
@@ -201,7 +203,7 @@ def _device(name: str | None) -> torch.device:
 #: ``fxplan compare`` options and their defaults, for :func:`compare_command_line`.
 COMPARE_DEFAULTS: dict[str, Any] = {
     "batch_size": None, "input_size": None, "small_batch": None, "small_input_size": None,
-    "out": "fxplan-compare", "repeats": 3, "time_limit": 120.0, "device": None, "methods": None,
+    "out": "fxplan-compare", "repeats": 5, "threads": None, "time_limit": 120.0, "device": None, "methods": None,
     "compile_budgets": DEFAULT_COMPILE_BUDGETS, "curve_points": DEFAULT_CURVE_POINTS,
 }
 
@@ -265,15 +267,18 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("models", nargs="+", metavar="MODEL", help=MODEL_HELP)
     _add_size_options(cmp, "batch of the main (fake-tensor) peaks; " + batch_help, size_help)
     cmp.add_argument("--small-batch", type=positive_int, default=None,
-                     help="batch of the real steps (timing, like-for-like peaks; default min(4, batch))")
+                     help="batch of the real steps (timing, like-for-like peaks; default: from min(4, batch) "
+                          "doubled until a vanilla step takes 0.5 s, at most 8 times that)")
     cmp.add_argument("--small-input-size", type=positive_int, default=None, help="input size of the real steps")
     cmp.add_argument("--methods", type=names, default=None, metavar="LIST",
                      help="comma-separated methods (default: all): vanilla, checkpoint_sequential, "
                           "hf-checkpointing, torch.compile, chen, approx-time, approx-memory, exact-time, "
                           "exact-memory, or one point such as torch.compile@0.5; vanilla always runs")
     cmp.add_argument("--out", default="fxplan-compare", help="report directory (default ./fxplan-compare)")
-    cmp.add_argument("--repeats", type=positive_int, default=3,
-                     help="timed steps per method, interleaved (default 3)")
+    cmp.add_argument("--repeats", type=positive_int, default=5,
+                     help="timed rounds, every method once per round, after a warm-up round (default 5)")
+    cmp.add_argument("--threads", type=positive_int, default=None,
+                     help="torch threads while timing (default: torch's current count)")
     cmp.add_argument("--time-limit", type=seconds, default=120.0,
                      help="seconds allowed for an exact DP (default 120; 0: no limit)")
     cmp.add_argument("--compile-budgets", type=fractions, default=DEFAULT_COMPILE_BUDGETS,

@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import copy
 import logging
-import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from fxplan import effects
+from fxplan import effects, subplans
 from fxplan.capture import owning_graph_module, resolve_attr
+from fxplan.emit import Emitter
 from fxplan.errors import FxplanError
 from fxplan.recompute import Segment
 
@@ -101,12 +101,23 @@ class SegmentedModule(fx.GraphModule):
         return [getattr(self, name) for name in self._fxplan_segment_names]
 
     def readable(self) -> str:
-        """The top-level code followed by each segment's code."""
+        """The top-level code followed by each segment's code (sub-segments after their segment)."""
         parts = [f"# {self._get_name()}.forward{self.code}"]
+
+        def show(name: str, seg: Segment, indent: str) -> None:
+            if not indent:
+                tag = "recomputed in backward" if seg.fxplan_recompute else "kept for backward"
+            else:
+                tag = "checkpointed again" if seg.fxplan_recompute else "runs as part of its segment"
+            if seg.fxplan_children:
+                tag += f"; its sub-segments {', '.join(seg.fxplan_children)} checkpointed again inside"
+            code = "".join(indent + line + "\n" if line else "\n" for line in seg.code.split("\n"))
+            parts.append(f"{indent}# self.{name} ({tag}){code.rstrip()}\n")
+            for sub, child in seg.fxplan_children.items():
+                show(f"{name}.{sub}", child, indent + "    ")
+
         for name in self._fxplan_segment_names:
-            seg = getattr(self, name)
-            tag = "recomputed in backward" if seg.fxplan_recompute else "kept for backward"
-            parts.append(f"# self.{name} ({tag}){seg.code}")
+            show(name, getattr(self, name), "")
         return "\n".join(parts)
 
     def _state_holder(self) -> torch.nn.Module:
@@ -126,7 +137,8 @@ class SegmentedModule(fx.GraphModule):
     def __deepcopy__(self, memo: dict[int, Any]) -> SegmentedModule:
         holder = copy.deepcopy(self._state_holder(), memo)
         graph = copy.deepcopy(self._fxplan_graph)
-        new = segment_module(_graph_module(holder, graph, self._get_name()), self.fxplan_segments)
+        new = segment_module(_graph_module(holder, graph, self._get_name()), self.fxplan_segments,
+                             self.fxplan_children)
         memo[id(self)] = new
         for key, value in {**self._call_state(), **self._user_attrs()}.items():
             new.__dict__[key] = copy.deepcopy(value, memo)
@@ -135,20 +147,21 @@ class SegmentedModule(fx.GraphModule):
     def _user_attrs(self) -> dict[str, Any]:
         # Attributes others attach (e.g. fxplan.rewrite's ``fxplan_plan``) survive copies.
         return {
-            k: v for k, v in self.__dict__.items() if k.startswith("fxplan_") and k != "fxplan_segments"
+            k: v for k, v in self.__dict__.items()
+            if k.startswith("fxplan_") and k not in ("fxplan_segments", "fxplan_children")
         }
 
     def __reduce__(self) -> tuple[Any, ...]:
         holder = self._state_holder()
         gm = _graph_module(holder, copy.deepcopy(self._fxplan_graph), self._get_name())
         state = {**self._call_state(), **self._user_attrs()}
-        return (_rebuild, (holder, gm, self.fxplan_segments, self._get_name()), state)
+        return (_rebuild, (holder, gm, self.fxplan_segments, self._get_name(), self.fxplan_children), state)
 
 
 def _rebuild(
-    holder: torch.nn.Module, gm: fx.GraphModule, segments: Any, class_name: str
+    holder: torch.nn.Module, gm: fx.GraphModule, segments: Any, class_name: str, children: Any = None
 ) -> SegmentedModule:
-    return segment_module(_graph_module(holder, gm.graph, class_name), segments)
+    return segment_module(_graph_module(holder, gm.graph, class_name), segments, children)
 
 
 def _graph_module(holder: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:
@@ -346,15 +359,8 @@ class _Rewrite:
 # code generation
 
 
-def _segment_name(gm: torch.nn.Module, i: int) -> str:
-    for prefix in ("segment_", "fxplan_segment_", "_fxplan_segment_"):
-        if not hasattr(gm, f"{prefix}{i}"):
-            return f"{prefix}{i}"
-    raise FxplanError(f"cannot find a free attribute name for segment {i}")
-
-
 def segment_module(
-    gm: fx.GraphModule, segments: Sequence[Sequence[str]]
+    gm: fx.GraphModule, segments: Sequence[Sequence[str]], children: Mapping[str, Any] | None = None
 ) -> SegmentedModule:
     """Rewrite ``gm`` so that it runs ``segments`` as the canonical strategy prescribes.
 
@@ -364,24 +370,30 @@ def segment_module(
     the original modules and parameters with ``gm`` (and so with the traced model), has the same
     ``state_dict`` keys, and trains exactly like it (see the module docstring for the fine print).
 
+    ``children`` (a plan's ``children``: segment index as a string -> sub-plan of that segment's nodes)
+    nests plans (:mod:`fxplan.subplans`): such a segment calls its sub-segments, ``self.segment_i_j``,
+    every one but the last checkpointed again inside it. In-place copies and the random-op order are
+    decided on the innermost segments, so every value a recomputation at any level reads is protected.
+
     Raises :class:`~fxplan.errors.FxplanError` for plans that are not such a sequence, or that
     would change what the model computes (random ops reordered, a read moved before the in-place
     op it must follow).
     """
-    plan = _validate(gm, segments)
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+        raise FxplanError("segments must be a list of lists of node names")
+    blocks = subplans.tree(segments, children)
+    plan = _validate(gm, subplans.leaves(blocks))
     rw = _Rewrite(gm, plan)
     rw.fix_inplace()
     rw.check_random_order()
     graph = rw.graph
     nodes = list(graph.nodes)
-    pos = {v: i for i, v in enumerate(nodes)}
     output = next(n for n in nodes if n.op == "output")
-    k = rw.k
 
-    blocks: list[list[fx.Node]] = [[] for _ in range(k)]
+    leaf_nodes: list[list[fx.Node]] = [[] for _ in range(rw.k)]
     for v in nodes:
         if v in rw.seg:
-            blocks[rw.seg[v]].append(v)
+            leaf_nodes[rw.seg[v]].append(v)
 
     top = fx.Graph()
     top._codegen = copy.deepcopy(graph._codegen)
@@ -389,52 +401,8 @@ def segment_module(
     for v in nodes:
         if v.op == "placeholder":
             env[v] = top.node_copy(v)
-
-    seg_modules: dict[str, Segment] = {}
-    for i, block in enumerate(blocks):
-        members = set(block)
-        inputs = sorted(
-            {u for v in block for u in v.all_input_nodes if u not in members and u.op != "get_attr"},
-            key=pos.__getitem__,
-        )
-        outputs = [v for v in block if any(u not in members for u in v.users)]
-        sg = fx.Graph()
-        senv: dict[fx.Node, fx.Node] = {}
-        for u in inputs:
-            senv[u] = sg.placeholder(u.name)
-        targets: list[str] = []
-        attr_targets: list[str] = []
-        for v in block:
-            for u in v.all_input_nodes:
-                if u.op == "get_attr" and u not in senv:
-                    senv[u] = sg.node_copy(u)
-                    attr_targets.append(str(u.target))
-            senv[v] = sg.node_copy(v, senv.__getitem__)
-            if v.op == "call_module" and str(v.target) not in targets:
-                targets.append(str(v.target))
-        if len(outputs) == 1:
-            sg.output(senv[outputs[0]])
-        else:
-            sg.output(tuple(senv[o] for o in outputs))
-        name = _segment_name(gm, i)
-        seg = Segment(
-            gm,
-            sg,
-            f"Segment{i}",
-            recompute=i < k - 1,
-            targets=targets,
-            attr_targets=attr_targets,
-        )
-        seg_modules[name] = seg
-        args = tuple(env[u] for u in inputs)
-        if len(outputs) == 1:
-            env[outputs[0]] = top.create_node("call_module", name, args, {}, name=outputs[0].name)
-        else:
-            call = top.create_node("call_module", name, args, {}, name=name)
-            for j, o in enumerate(outputs):
-                env[o] = top.create_node(
-                    "call_function", operator.getitem, (call, j), {}, name=o.name
-                )
+    emitter = Emitter(gm, {v: i for i, v in enumerate(nodes)}, blocks, iter(leaf_nodes))
+    seg_modules = emitter.emit(top, env, blocks, "segment")
 
     for u in output.all_input_nodes:
         if u.op == "get_attr" and u not in env:
@@ -463,12 +431,13 @@ def segment_module(
     out._fxplan_extra_attrs = extra
     out._fxplan_segment_names = list(seg_modules)
     out._fxplan_graph = copy.deepcopy(gm.graph)
-    out.fxplan_segments = tuple(tuple(s) for s in plan)
+    out.fxplan_segments = tuple(tuple(b.names) for b in blocks)
+    out.fxplan_children = subplans.as_children(blocks)
     out.training = gm.training  # not .train(): leave the submodules' own modes alone
     out._fxplan_warned = set()
     if "fxplan_call" in gm.meta:
         out.__dict__["_fxplan_original"], out.__dict__["_fxplan_interface"] = gm.meta["fxplan_call"]
-    for seg in seg_modules.values():
+    for seg in emitter.made:
         seg.training = gm.training
         seg._set_owner(out)
     return out

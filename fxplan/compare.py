@@ -9,15 +9,20 @@ For each network every method (:mod:`fxplan.methods`) is prepared once and measu
 2. **peak at a small batch** on a real step, every method with the same meter (``torch.profiler``
    allocation events on the CPU, the caching allocator on CUDA): the like-for-like column that
    includes ``torch.compile``;
-3. **step time at the small batch**, repetitions interleaved across methods (method A, B, C, A, B, C,
-   ...) after one warm-up round, so that load on the machine hits every method alike; the median over
-   repetitions, divided by vanilla's, is the time ratio, and the spread (max - min) / median says how
-   far to trust it.
+3. **step time at the small batch** with :func:`fxplan.timing.time_interleaved`: a fixed thread count,
+   a warm-up round, then rounds that run every method once in a rotated order, so that load on the
+   machine hits every method alike. The time ratio is the median over rounds of the method's step over
+   vanilla's step of the same round, with the interquartile range of those per-round ratios; a range
+   that contains 1.0 is shown as "within noise". Unless given, the small batch is the smallest of 4, 8,
+   16, ... (up to 8 times the first and the main batch) at which a vanilla step takes 0.5 s
+   (:func:`fxplan.timing.batch_for_step`), so that timer and scheduler noise stay small.
 
 A model too large for a real step here (a ``fake_only`` zoo entry) gets the first measurement only.
 The recompute fraction is measured too: forward FLOPs recomputed in one step (FLOPs of the method's
 step minus vanilla's, counted by ``torch.utils.flop_counter`` on fake tensors), divided by the FLOPs of
-vanilla's forward. fxplan rows also carry the planner's own prediction.
+vanilla's forward. fxplan rows also carry the planner's own prediction: the recompute fraction, and the
+step-time ratio predicted by the plan's time costs (``Plan.predicted_extra_seconds`` over a step taken
+as three forward passes).
 
 A method that fails becomes a row that says why (``not applicable``, ``timed out``, ``crashed`` or
 ``error`` with the exception text); the other rows and the report are still produced.
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,6 +45,7 @@ from fxplan import peers
 from fxplan.console import Progress, filter_native_logs
 from fxplan.measure import fake_copy, fake_mode_of, measure_step, profiled_step_peak, resident_bytes
 from fxplan.methods import Context, Method, MethodTimeout, default_methods, real_copy
+from fxplan.timing import MIN_STEP_SECONDS, batch_for_step, fixed_threads, time_interleaved, training_step
 
 #: fxplan plans in the order the memory timeline prefers them.
 TIMELINE_PREFERENCE = ("approx-time", "exact-time", "approx-memory", "exact-memory", "chen")
@@ -68,7 +73,11 @@ class Row:
     small_meter: str = ""
     step_seconds: float | None = None          # median real step time at the small batch
     step_spread: float | None = None           # (slowest - fastest) / median of the timed steps
-    time_ratio: float | None = None            # step_seconds / vanilla's
+    time_ratio: float | None = None            # median over rounds of step / vanilla's step in that round
+    ratio_low: float | None = None             # interquartile range of the per-round ratios
+    ratio_high: float | None = None
+    predicted_time_ratio: float | None = None  # fxplan: 1 + predicted extra seconds / (3 x forward seconds)
+    predicted_extra_seconds: float | None = None  # fxplan: Plan.predicted_extra_seconds at the main batch
     recompute_fraction: float | None = None    # measured: recomputed forward FLOPs / forward FLOPs
     planned_recompute_fraction: float | None = None
     predicted_peak_bytes: int | None = None
@@ -147,17 +156,6 @@ def real_step_peak(module: torch.nn.Module, inputs: tuple, loss_fn, device: torc
     return peak, "torch.profiler allocation events"
 
 
-def _step(module: torch.nn.Module, inputs: tuple, loss_fn, device: torch.device) -> float:
-    module.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    loss_fn(module(*inputs)).backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
@@ -182,7 +180,8 @@ def compare_network(
     small_batch: int,
     small_input_size: int,
     methods: Sequence[Method],
-    repeats: int = 3,
+    repeats: int = 5,
+    threads: int | None = None,
     time_limit_s: float | None = 120.0,
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
@@ -193,6 +192,7 @@ def compare_network(
     """Measure every method on one network. ``make_inputs(batch, input_size)`` makes real CPU inputs.
 
     ``real_steps=False`` (a model built on the meta device) measures the main batch on fake tensors only.
+    ``repeats`` timed rounds run with ``threads`` threads (None: torch's current count).
     Returns the rows (in ``methods`` order) and the memory timelines of one main-batch step for vanilla
     and for the first fxplan plan that worked (keys: method names).
     """
@@ -258,7 +258,7 @@ def compare_network(
         except Exception as exc:
             _fail(row, "crashed", exc, f"one real step at batch {small_batch}")
     if small_inputs is not None:
-        _time_interleaved(rows, live, small_inputs, loss_fn, device, repeats, progress, network)
+        _time_interleaved(rows, live, small_inputs, loss_fn, device, repeats, threads, progress, network)
     _derive(rows, flops)
     timelines: dict[str, list[tuple[str, int]]] = {}
     if timeline:
@@ -274,28 +274,21 @@ def compare_network(
     return rows, timelines
 
 
-def _time_interleaved(rows, live, inputs, loss_fn, device, repeats, progress, network) -> None:
-    """Median step time per method, repetitions interleaved across methods after one warm-up round."""
+def _time_interleaved(rows, live, inputs, loss_fn, device, repeats, threads, progress, network) -> None:
+    """Step times of every live method by :func:`fxplan.timing.time_interleaved`, vanilla the baseline."""
     by_name = {r.method: r for r in rows}
-    samples: dict[str, list[float]] = {name: [] for name in live}
-    with progress.step(f"{network}: timing {len(live)} methods x {repeats} interleaved steps "
+    steps = {name: training_step(module, inputs, loss_fn, device) for name, module in live.items()}
+    with progress.step(f"{network}: timing {len(live)} methods x {repeats} interleaved rounds "
                        f"at batch {rows[0].small_batch}") as step:
-        for rep in range(repeats + 1):
-            step.update("warm-up round" if rep == 0 else f"round {rep}/{repeats}")
-            for name in list(samples):
-                try:
-                    seconds = _step(live[name], inputs, loss_fn, device)
-                except Exception as exc:
-                    _fail(by_name[name], "crashed", exc, "timed step")
-                    del samples[name]
-                    continue
-                if rep > 0:
-                    samples[name].append(seconds)
-    for name, s in samples.items():
-        if s:
-            median = statistics.median(s)
-            by_name[name].step_seconds = median
-            by_name[name].step_spread = (max(s) - min(s)) / median if median > 0 else None
+        timings = time_interleaved(steps, baseline="vanilla" if "vanilla" in steps else None, rounds=repeats,
+                                   warmup=1, threads=threads, on_round=step.update)
+    for name, t in timings.items():
+        row = by_name[name]
+        if t.error is not None:
+            _fail(row, "crashed", t.error, "timed step")
+            continue
+        row.step_seconds, row.step_spread, row.time_ratio = t.median, t.spread, t.ratio
+        row.ratio_low, row.ratio_high = t.ratio_range or (None, None)
 
 
 def _derive(rows: list[Row], flops: dict[str, tuple[int, int]]) -> None:
@@ -308,8 +301,6 @@ def _derive(rows: list[Row], flops: dict[str, tuple[int, int]]) -> None:
             r.reduction = 1.0 - r.peak_bytes / base.peak_bytes
         if r.small_peak_bytes is not None and base.small_peak_bytes:
             r.small_reduction = 1.0 - r.small_peak_bytes / base.small_peak_bytes
-        if r.step_seconds is not None and base.step_seconds:
-            r.time_ratio = r.step_seconds / base.step_seconds
         if r.method in flops and "vanilla" in flops and flops["vanilla"][0]:
             fwd, total = flops["vanilla"]
             r.recompute_fraction = max(0.0, (flops[r.method][1] - total) / fwd)
@@ -336,6 +327,7 @@ def compare_models(
     """
     methods = list(methods) if methods is not None else default_methods()
     comparison = Comparison([], {}, run_meta([e.name for e in entries], kwargs))
+    auto_batch = small_batch is None
     for entry in entries:
         batch = batch_size or entry.paper_batch
         size = input_size or entry.input_size
@@ -344,13 +336,26 @@ def compare_models(
             with (progress or Progress(quiet=True)).step(f"{entry.name}: building"):
                 torch.manual_seed(0)
                 model = entry.build()
+            def make(b: int, s: int, e=entry) -> tuple:
+                return e.example_inputs(batch_size=b, input_size=s)
+
+            small_size = small_input_size or entry.quick_input_size or size
+            small = small_batch or max(entry.min_batch, min(batch, 4))
+            if auto_batch and not entry.fake_only:
+                where = "choosing the batch of the timed steps"
+                with (progress or Progress(quiet=True)).step(f"{entry.name}: choosing the batch of the timed steps"):
+                    small, seconds = timed_batch(model, entry.loss, make, small, batch, small_size,
+                                                 kwargs.get("device", "cpu"), kwargs.get("threads"))
+                if seconds < MIN_STEP_SECONDS:
+                    comparison.meta.setdefault("warnings", []).append(
+                        f"{entry.name}: a vanilla step at batch {small} takes {seconds:.2f} s, under "
+                        f"{MIN_STEP_SECONDS} s: its time ratios are less certain (give --small-batch)")
             where = "comparing"
             rows, timelines = compare_network(
-                entry.name, model, entry.loss,
-                lambda b, s, e=entry: e.example_inputs(batch_size=b, input_size=s),
+                entry.name, model, entry.loss, make,
                 batch=batch, input_size=size,
-                small_batch=small_batch or max(entry.min_batch, min(batch, 4)),
-                small_input_size=small_input_size or entry.quick_input_size or size,
+                small_batch=small,
+                small_input_size=small_size,
                 methods=methods, progress=progress, real_steps=not entry.fake_only,
                 input_label=describe_input(entry.kind, size), **kwargs)
         except Exception as exc:  # one network's failure must not cost the others their rows
@@ -364,6 +369,22 @@ def compare_models(
     return comparison
 
 
+def timed_batch(model: torch.nn.Module, loss_fn, make_inputs, start: int, main_batch: int, input_size: int,
+                device: torch.device | str, threads: int | None) -> tuple[int, float]:
+    """The batch of the timed steps (:func:`fxplan.timing.batch_for_step` from ``start``, at most 8 times it
+    and the main batch) and the seconds of a vanilla step there. The model runs on a copy (its BatchNorm
+    statistics stay as they were)."""
+    device = torch.device(device)
+    probe = real_copy(model, device)
+
+    def step_at(b: int) -> float:
+        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in make_inputs(b, input_size))
+        return training_step(probe, inputs, loss_fn, device)()
+
+    with fixed_threads(threads):
+        return batch_for_step(step_at, start, most=max(start, min(main_batch, 8 * start)))
+
+
 def describe_input(kind: str, size: int) -> str:
     """How an input size reads in a report: ``seq 1024`` for token sequences, ``224²`` for images."""
     return f"seq {size}" if kind == "language" else f"{size}²"
@@ -375,12 +396,13 @@ def run_meta(names: Sequence[str], kwargs: dict[str, Any]) -> dict[str, Any]:
         "networks": list(names), "torch": torch.__version__, "python": platform.python_version(),
         "machine": f"{os.cpu_count()}-core CPU" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available()
                                                    else ""),
-        "repeats": kwargs.get("repeats", 3), "time_limit_s": kwargs.get("time_limit_s", 120.0),
+        "repeats": kwargs.get("repeats", 5), "threads": kwargs.get("threads") or torch.get_num_threads(),
+        "time_limit_s": kwargs.get("time_limit_s", 120.0),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
 
 __all__ = [
     "Comparison", "Row", "TIMELINE_PREFERENCE", "compare_models", "compare_network",
-    "count_flops", "describe_input", "real_step_peak", "run_meta",
+    "count_flops", "describe_input", "real_step_peak", "run_meta", "timed_batch",
 ]

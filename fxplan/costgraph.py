@@ -6,7 +6,8 @@ compute ``w``. Node keys are the names of the torch.fx nodes they came from.
 
 Node attributes:
 
-``T``      forward cost of the node (FLOPs with a floor, or the paper's 10-for-conv-1-otherwise rule)
+``T``      forward cost of the node: predicted microseconds (``fxplan.timecost``, the default), FLOPs with a
+           floor, or the paper's 10-for-conv-1-otherwise rule; ``graph["T_seconds"]`` says which
 ``M``      bytes of the node's output (all tensors it returns)
 ``saved``  bytes autograd saves for the node's backward, beyond tensors counted elsewhere
 ``kind``   short op kind: ``"conv"``, ``"linear"``, ``"bn"``, ``"relu"``, ``"add"``, ``"cat"``, ...

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
+from fxplan.fakes import fake_copy, fake_mode_of, has_fake, to_fake
 
 GiB = 1024**3
 MiB = 1024**2
@@ -190,7 +190,7 @@ def measure_step(
     inputs = (call.args, call.kwargs)
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
-    fake_mode = fake_mode_of(model, inputs) if fake or _has_fake(model, inputs) else None
+    fake_mode = fake_mode_of(model, inputs) if fake or has_fake(model, inputs) else None
     if fake_mode is not None:
         fake_model, fake_inputs = fake_copy(model, fake_mode), to_fake(inputs, fake_mode)
         with fake_mode:
@@ -279,61 +279,6 @@ def resident_bytes(model: torch.nn.Module, inputs) -> int:
         s = t.untyped_storage()
         seen[s._cdata] = s.nbytes()
     return sum(seen.values())
-
-
-def _has_fake(model: torch.nn.Module, inputs) -> bool:
-    tensors = [*model.parameters(), *tree_leaves(inputs)]
-    return any(isinstance(t, FakeTensor) for t in tensors)
-
-
-def fake_mode_of(model: torch.nn.Module, inputs) -> FakeTensorMode:
-    """The fake mode already used by the model or inputs, or a new one."""
-    for t in [*tree_leaves(inputs), *model.parameters(), *model.buffers()]:
-        if isinstance(t, FakeTensor):
-            return t.fake_mode
-    # Real tensors met while measuring (labels a loss_fn closes over, masks) are converted, not refused.
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
-    """A private copy of ``model`` whose parameters and buffers are fake tensors of ``fake_mode``.
-
-    The copy has the same structure (and, for a GraphModule, the same graph and node names), and the
-    parameters' ``.grad``, where set, as fake tensors too. Nothing real is allocated. A model that is
-    fake already gets new fake tensors of the same shapes (``copy.deepcopy`` of a fake tensor would
-    put it in a new fake mode, which cannot be mixed with the inputs').
-    """
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        if id(p) not in memo:
-            fake = torch.nn.Parameter(_fresh(p.detach(), fake_mode), requires_grad=p.requires_grad)
-            if p.grad is not None:
-                fake.grad = _fresh(p.grad, fake_mode)
-            memo[id(p)] = fake
-    for b in model.buffers():
-        if id(b) not in memo:
-            memo[id(b)] = _fresh(b, fake_mode)
-    return copy.deepcopy(model, memo)
-
-
-def _fresh(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
-    """A fake tensor of ``fake_mode`` like ``t`` (real or fake), sharing nothing with it."""
-    if isinstance(t, FakeTensor):
-        with fake_mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return fake_mode.from_tensor(t)
-
-
-def to_fake(inputs: Any, fake_mode: FakeTensorMode) -> Any:
-    """``inputs`` (any nesting of tuples, lists, dicts) with every real tensor converted to a fake one of
-    ``fake_mode`` (others unchanged); a tuple stays a tuple."""
-
-    def convert(x):
-        if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor):
-            return x
-        return fake_mode.from_tensor(x)
-
-    return torch.utils._pytree.tree_map(convert, inputs)
 
 
 def _device_of(model: torch.nn.Module, inputs) -> torch.device:

@@ -93,7 +93,7 @@ def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, 
             min_feasible_bytes=smallest,
         ) from exc
     return replace(result, predicted_peak_bytes=result.predicted_peak_bytes + resident,
-                   budget_bytes=budget_bytes,
+                   budget_bytes=budget_bytes, T_seconds=cg.graph.get("T_seconds"),
                    segment_peak_bytes=[b + resident for b in result.segment_peak_bytes])
 
 

@@ -20,6 +20,10 @@ def _fmt_bytes(b: float) -> str:
     return f"{b / 1024:.1f} KiB"
 
 
+def _fmt_seconds(s: float) -> str:
+    return f"{s:.3g} s" if s >= 1 else f"{1000 * s:.3g} ms"
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
@@ -59,6 +63,9 @@ class Plan:
                             subgraph, which is itself checkpointed inside; empty otherwise
     ``measured_peak_bytes`` the peak of one step of the rewritten model, measured on fake tensors (set by
                             ``fxplan.plan`` and ``fxplan.rewrite``)
+    ``T_seconds``           seconds per unit of T when the cost graph's T is time (``cost_model`` "roofline" or
+                            "measured" of :func:`fxplan.trace.trace`: 1e-6); None when T is FLOPs or the
+                            paper's units. Then :attr:`predicted_extra_seconds` says what the plan costs
     """
 
     segments: list[list[str]]
@@ -78,10 +85,24 @@ class Plan:
     segment_T: list[float] = field(default_factory=list)
     children: dict[str, Plan] = field(default_factory=dict)
     measured_peak_bytes: int | None = None
+    T_seconds: float | None = None
 
     @property
     def num_segments(self) -> int:
         return len(self.segments)
+
+    @property
+    def predicted_extra_seconds(self) -> float | None:
+        """Predicted seconds one training step spends recomputing (the forward time of everything
+        recomputed, nested segments included); None when the cost model is not time."""
+        if self.T_seconds is None:
+            return None
+        return self.recompute_fraction * self.total_T * self.T_seconds
+
+    @property
+    def predicted_forward_seconds(self) -> float | None:
+        """Predicted seconds of one forward pass of the original model; None when T is not time."""
+        return None if self.T_seconds is None else self.total_T * self.T_seconds
 
     def summary(self) -> str:
         """A description in plain words: how the plan was found, its peak (measured and predicted, and what
@@ -97,31 +118,47 @@ class Plan:
                 f"  budget {budget}; peak of one training step: {_fmt_bytes(self.measured_peak_bytes)} measured, "
                 f"{predicted} predicted",
                 "  (measured: one step of the rewritten model, counted exactly on fake tensors; the budget holds this.",
-                "   predicted: the planner's memory model, which chose the segments; it may exceed the measured peak "
-                "and the budget.)",
+                "   predicted: " + ("the step replayed node by node from the traced graph, a check on the measurement"
+                                    if self.memory_model == "replay" else
+                                    "the planner's memory model, which chose the segments; it may exceed the "
+                                    "measured peak and the budget") + ".)",
             ]
         else:
             lines.append(f"  budget {budget}; predicted peak of one training step {predicted} (the planner's "
                          "memory model; fxplan.rewrite measures the real peak)")
-        lines.append(f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass")
+        recomputed = f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass"
+        extra = self.predicted_extra_seconds
+        if extra is not None:
+            recomputed += (f", predicted to add {_fmt_seconds(extra)} to each training step (forward pass "
+                           f"{_fmt_seconds(self.total_T * self.T_seconds)})")
+        lines.append(recomputed)
+        lines += self._segment_lines("  ", top=True)
+        return "\n".join(lines)
+
+    def _segment_lines(self, indent: str, top: bool) -> list[str]:
+        """One line per segment; a nested segment's sub-segments (``children``) indented below it."""
+        k = self.num_segments
+        lines = []
         for i, seg in enumerate(self.segments):
-            kept = self.boundaries[i]
+            kept = self.boundaries[i] if i < len(self.boundaries) else []
             shown = ", ".join(kept[:4]) + (f", … (+{len(kept) - 4})" if len(kept) > 4 else "")
             if i == k - 1:
-                what = "not recomputed"
-            elif self.total_T:
+                what = "not recomputed" if top else "not checkpointed by itself (runs as part of its segment)"
+            elif self.total_T and i < len(self.segment_T):
                 what = f"recomputed in backward ({100 * self.segment_T[i] / self.total_T:.1f}% of a forward pass)"
             else:
                 what = "recomputed in backward"
             lines.append(
-                f"  [{i}] {_count(len(seg), 'op')} {seg[0]} … {seg[-1]}; keeps {_count(len(kept), 'value')}"
+                f"{indent}[{i}] {_count(len(seg), 'op')} {seg[0]} … {seg[-1]}; keeps {_count(len(kept), 'value')}"
                 + (f" [{shown}]" if kept else "")
-                + f"; {what}; predicted peak during its backward {_fmt_bytes(self.segment_peak_bytes[i])}"
+                + f"; {what}"
+                + (f"; predicted peak during its backward {_fmt_bytes(self.segment_peak_bytes[i])}"
+                   if i < len(self.segment_peak_bytes) else "")
             )
             if str(i) in self.children:
-                sub = self.children[str(i)].summary().splitlines()
-                lines.extend("      " + s for s in sub)
-        return "\n".join(lines)
+                lines.append(f"{indent}    sub-plan of [{i}], its sub-segments checkpointed again inside it:")
+                lines += self.children[str(i)]._segment_lines(indent + "    ", top=False)
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -155,12 +155,18 @@ class Segment(fx.GraphModule):
         recompute: bool,
         targets: list[str],
         attr_targets: list[str],
+        children: dict[str, Segment] | None = None,
     ):
-        super().__init__(root, graph, class_name)
-        # Drop what GraphModule copied in: look-ups go to the owner (see __getattr__).
+        children = dict(children or {})
+        # a nested segment's graph calls only its sub-segments
+        super().__init__(children or root, graph, class_name)
+        # Drop what GraphModule copied in: look-ups go to the owner (see __getattr__). Sub-segments of a
+        # nested plan (fxplan.subplans) are the only modules a segment holds.
         self._modules.clear()
         self._parameters.clear()
         self._buffers.clear()
+        self._modules.update(children)
+        self.__dict__["fxplan_children"] = children
         self.__dict__["_fxplan_owner"] = None
         self.fxplan_recompute = recompute
         self._fxplan_targets = list(targets)
@@ -208,12 +214,18 @@ class Segment(fx.GraphModule):
         """Buffers the forward will mutate: seen by :func:`fxplan.trace.trace` in what the graph's ops
         write, learned in earlier steps, and (for graphs not traced by fxplan) training norm layers."""
         known = set(self._fxplan_learned)
-        for node in self.graph.nodes:
+        for node in self._all_nodes():
             known.update(node.meta.get("fxplan_mutates", ()))
         for key, mod, _ in slots:
             if isinstance(mod, STATEFUL_NORMS) and mod.training:
                 known.add(key)
         return known
+
+    def _all_nodes(self) -> Iterator[fx.Node]:
+        """The nodes this segment runs: its own and, for a nested plan, its sub-segments'."""
+        yield from self.graph.nodes
+        for child in self.fxplan_children.values():
+            yield from child._all_nodes()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plain = functools.partial(torch.nn.Module.__call__, self)

@@ -41,7 +41,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from fxplan import effects
 from fxplan.capture import as_call
 from fxplan.costgraph import CostGraph
-from fxplan.measure import default_loss, fake_copy, fake_mode_of, resident_bytes, to_fake
+from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.measure import default_loss, resident_bytes
 from fxplan.trace import placeholder_values
 
 

@@ -24,7 +24,9 @@ from typing import Any
 
 from fxplan.compare import Comparison, Row
 from fxplan.console import format_table
+from fxplan.front import front, front_rows
 from fxplan.measure import GiB, MiB
+from fxplan.timing import describe_ratio
 
 #: Table-1 columns: (heading, method row name). A column no network has a row for is left out.
 TABLE1 = (
@@ -62,9 +64,13 @@ COLUMNS = (
     ("vs vanilla", "change of that peak against vanilla's."),
     ("peak MiB @batch b", "measured peak of one real step at the small batch, every method with the same "
                           "meter; the only peak torch.compile has."),
-    ("step-time ratio", "median real step time at the small batch / vanilla's; in brackets the spread "
-                        "(slowest - fastest) / median of the timed steps. Spreads of 10% and more mean "
-                        "the machine was busy: compare ratios only when they differ by more than that."),
+    ("step-time ratio", "real step time at the small batch / vanilla's: the median over interleaved rounds "
+                        "of the method's step over vanilla's step in the same round, and in brackets the "
+                        "interquartile range of those per-round ratios. A range that contains 1.0 is marked "
+                        "'within noise': the method is not told apart from vanilla, faster or slower."),
+    ("predicted ratio", "fxplan's plans: the step-time ratio the plan's time costs predict, 1 + predicted "
+                        "recomputation seconds / (3 x predicted forward seconds), a backward pass taken as "
+                        "two forward passes (fxplan.timecost; roofline by default)."),
     ("recompute (measured)", "forward FLOPs re-executed in backward (counted with torch.utils.flop_counter) "
                              "/ FLOPs of one forward pass."),
     ("recompute (planned)", "the same fraction as the plan predicts it."),
@@ -89,12 +95,6 @@ def _mib(b: int | None) -> str:
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{-100 * x:+.0f}%".replace("+-", "-").replace("-0%", "0%")
-
-
-def _ratio(x: float | None, spread: float | None = None) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.2f}x" + (f" (spread {100 * spread:.0f}%)" if spread is not None else "")
 
 
 def _secs(x: float | None) -> str:
@@ -139,15 +139,16 @@ def detail_header(rows: Sequence[Row]) -> list[str]:
     first = rows[0]
     small = f"peak MiB @batch {first.small_batch}" if first.small_batch else "peak MiB @small batch"
     return ["method", "status", f"peak GiB @batch {first.batch}", "vs vanilla", small, "vs vanilla (small)",
-            "step-time ratio", "recompute (measured)", "recompute (planned)", "predicted peak GiB", "budget",
-            "planning", "note"]
+            "step-time ratio", "predicted ratio", "recompute (measured)", "recompute (planned)",
+            "predicted peak GiB", "budget", "planning", "note"]
 
 
 def detail_rows(rows: Sequence[Row]) -> list[list[str]]:
     out = []
     for r in rows:
         out.append([r.method, r.status, _gib(r.peak_bytes), _pct(r.reduction), _mib(r.small_peak_bytes),
-                    _pct(r.small_reduction), _ratio(r.time_ratio, r.step_spread), _frac(r.recompute_fraction),
+                    _pct(r.small_reduction), describe_ratio(r.time_ratio, r.ratio_low, r.ratio_high),
+                    describe_ratio(r.predicted_time_ratio, None, None), _frac(r.recompute_fraction),
                     _frac(r.planned_recompute_fraction), _gib(r.predicted_peak_bytes), r.budget or "-",
                     _secs(r.plan_seconds), r.note or ""])
     return out
@@ -166,7 +167,8 @@ def summary_table(comparison: Comparison) -> str:
     header = ["network", "method", "status", "peak GiB", "vs vanilla", "small batch vs vanilla", "time ratio",
               "recompute", "planning"]
     rows = [[r.network, r.method, r.status, _gib(r.peak_bytes), _pct(r.reduction), _pct(r.small_reduction),
-             _ratio(r.time_ratio), _frac(r.recompute_fraction), _secs(r.plan_seconds)]
+             describe_ratio(r.time_ratio, r.ratio_low, r.ratio_high), _frac(r.recompute_fraction),
+             _secs(r.plan_seconds)]
             for r in comparison.rows if r.main]
     return format_table(header, rows)
 
@@ -221,6 +223,10 @@ def plot_tradeoff(rows: Sequence[Row], path: Path) -> Path:
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=series,
                     linestyle="-" if len(pts) > 1 else "none")
+        if ax is axes[1]:
+            best = front(rows)
+            ax.plot([1 - r.small_reduction for r in best], [r.time_ratio for r in best], color="black",
+                    linestyle=":", linewidth=1, drawstyle="steps-post", label="measured front")
         ax.set_xlabel(label)
         ax.set_ylabel("step time / vanilla's")
         ax.grid(alpha=0.3)
@@ -305,7 +311,9 @@ def _header_lines(comparison: Comparison) -> list[str]:
     if meta.get("command"):
         lines.append(f"Command: `{meta['command']}`")
     lines.append(f"Machine: {meta.get('machine', '?')}, torch {meta.get('torch', '?')}; "
-                 f"started {meta.get('started', '?')}; {meta.get('repeats', '?')} timed steps per method.")
+                 f"started {meta.get('started', '?')}; {meta.get('repeats', '?')} interleaved timed rounds after "
+                 f"a warm-up round, {meta.get('threads', '?')} threads.")
+    lines += [f"Warning: {w}" for w in meta.get("warnings", [])]
     return lines
 
 
@@ -326,6 +334,10 @@ def render_markdown(comparison: Comparison, plots: dict[str, list[Path]], plot_e
         parts += [f"## {net}", "",
                   f"Main batch {rows[0].batch} at {rows[0].input_label or rows[0].input_size}; {_real_steps(rows)}.",
                   "", _md_table(detail_header(rows), detail_rows(rows)), ""]
+        header, table = front_rows(rows)
+        if table:
+            parts += [f"Memory/step-time front at batch {rows[0].small_batch} (every method on one meter):", "",
+                      _md_table(header, table), ""]
         for p in plots.get(net, []):
             parts += [f"![{p.stem}]({p.name})", ""]
     return "\n".join(parts)
@@ -358,6 +370,10 @@ def render_html(comparison: Comparison, plots: dict[str, list[Path]], plot_error
                   f"<p>Main batch {rows[0].batch} at {html.escape(rows[0].input_label)}; "
                   f"{html.escape(_real_steps(rows))}.</p>",
                   _html_table(detail_header(rows), detail_rows(rows))]
+        header, table = front_rows(rows)
+        if table:
+            parts += [f"<p>Memory/step-time front at batch {rows[0].small_batch} (every method on one meter):</p>",
+                      _html_table(header, table)]
         for p in plots.get(net, []):
             data = base64.b64encode(p.read_bytes()).decode("ascii")
             parts.append(f"<p><img alt='{html.escape(p.stem)}' src='data:image/png;base64,{data}'></p>")

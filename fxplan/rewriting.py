@@ -59,7 +59,7 @@ def rewrite(
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
     if plan is not None:
         gm = trace_module(model) if example_inputs is None else capture(model, example_inputs).gm
-        module = segment_module(gm, plan.segments)
+        module = segment_module(gm, plan.segments, plan.children)
         measured = None
         if example_inputs is not None:
             measured = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn).peak_bytes
@@ -102,7 +102,7 @@ def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, s
     """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
     ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
     search = Search(trace(model, example_inputs), model, example_inputs, solver=solver, loss_fn=loss_fn)
-    return search.smallest().measured
+    return search.lowest().measured
 
 
 def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:

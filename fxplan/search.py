@@ -24,6 +24,12 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    to fit without measuring it, which is exact as long as the replay does not over-predict one plan by
    more than ``MARGIN`` beyond the plans measured.
 
+4. **Below the canonical plans.** When no candidate fits B, and for the smallest peak (no budget, or
+   ``strategy="memory"``), the nested search of :mod:`fxplan.nested` starts from the candidate of least
+   measured peak and looks for a nested plan (sub-segments checkpointed inside segments) that measures
+   lower; it is taken when it does (:meth:`Search.lowest`). Where nesting gains nothing, results are the
+   canonical search's; where it does, a budget below the canonical plans is met instead of refused.
+
 Because the candidate set does not depend on B and the choice is "least recomputation among those
 that fit", a larger budget never gets more recomputation, and its plan is never one that a smaller
 budget's plan beats on both peak and recomputation. The smallest measured peak over all candidates
@@ -46,6 +52,7 @@ from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.lowersets import GraphIndex, enumerate_lower_sets
 from fxplan.measure import GiB, measure_step
+from fxplan.nested import NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
 from fxplan.plans import Plan
 from fxplan.replay import StepModel, replay, step_model
@@ -100,6 +107,7 @@ class Search:
         self.candidates: list[Candidate] = []
         self._plans = _candidate_plans(cg, model, solver)
         self._exhausted = False
+        self._lowest: Candidate | None = None
 
     def _walk(self) -> Iterator[Candidate]:
         """Every candidate in the order of :func:`_candidate_plans`, generating plans as they are asked for."""
@@ -122,7 +130,7 @@ class Search:
         """The measured peak of ``c`` (measured once); None if the rewriter rejects the plan."""
         if c.measured is None and not c.rejected:
             try:
-                c.module = segment_module(self.cg.graph["gm"], c.plan.segments)
+                c.module = segment_module(self.cg.graph["gm"], c.plan.segments, c.plan.children)
             except FxplanError as exc:
                 logger.debug("candidate with %d segments rejected by the rewriter: %s", c.plan.num_segments, exc)
                 c.rejected = True
@@ -151,6 +159,19 @@ class Search:
             raise FxplanError("the rewriter rejected every candidate plan; see the debug log of 'fxplan'")
         return best
 
+    def lowest(self) -> Candidate:
+        """The candidate of least measured peak, nested plans included: the canonical plan of
+        :meth:`smallest`, or the nested plan :mod:`fxplan.nested` finds from it when that measures lower."""
+        if self._lowest is None:
+            flat = self.smallest()
+            self._lowest = flat
+            found = NestedSearch(self.cg, self.inputs, self.loss_fn).improve(flat.plan, flat.measured,
+                                                                             flat.segment_replayed)
+            if found is not None:
+                self._lowest = Candidate(found.plan(self.cg, flat.plan), found.measured, [], found.measured,
+                                         found.module)
+        return self._lowest
+
     def least_recompute(self, budget: int) -> Candidate | None:
         """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak)."""
         found: Candidate | None = None
@@ -168,15 +189,17 @@ class Search:
         """The candidate for a whole-step budget (bytes; None: the smallest) and strategy (module docstring)."""
         check_choices(strategy, "approx")
         if strategy == "memory" or budget_bytes is None:
-            best = self.smallest()
+            best = self.lowest()
             if budget_bytes is not None and best.measured > budget_bytes:
                 raise self.infeasible(budget_bytes, best)
             if strategy == "memory":
                 return best
             return self.least_recompute(math.floor(best.measured * (1 + NEGLIGIBLE))) or best
         found = self.least_recompute(budget_bytes)
-        if found is None:
-            raise self.infeasible(budget_bytes, self.smallest())
+        if found is None:  # below every canonical plan: a nested one, if it fits
+            found = self.lowest()
+            if found.measured > budget_bytes:
+                raise self.infeasible(budget_bytes, found)
         return found
 
     def infeasible(self, budget_bytes: int, best: Candidate) -> BudgetError:
@@ -191,7 +214,9 @@ class Search:
     def result(self, c: Candidate, budget_bytes: int | None) -> SegmentedModule:
         """The chosen candidate's module, carrying its plan with replayed and measured peaks."""
         plan = replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
-                       memory_model="replay", measured_peak_bytes=c.measured, budget_bytes=budget_bytes)
+                       memory_model=c.plan.memory_model if c.plan.children else "replay",
+                       measured_peak_bytes=c.measured, budget_bytes=budget_bytes,
+                       T_seconds=self.cg.graph.get("T_seconds"))
         c.module.fxplan_plan = plan
         c.module.fxplan_measured_peak_bytes = c.measured
         return c.module

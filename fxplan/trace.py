@@ -6,9 +6,11 @@ graphs), an ATen graph from ``torch.export`` otherwise. The example inputs are t
 through a private fake-tensor copy of the model, one node at a time, to record per node:
 
 * ``M``: bytes of the node's output tensors (as if written out of place);
-* ``T``: FLOPs from ``torch.utils.flop_counter`` with a floor of one per output element (so cheap
-  elementwise ops are not free), or the paper's rule (10 for a convolution, 1 otherwise) with
-  ``cost_model="paper"``;
+* ``T``: the node's forward cost. ``cost_model="roofline"`` (default) and ``"measured"``: microseconds on
+  the model's device (:mod:`fxplan.timecost`; a roofline of FLOPs, bytes moved and ops against the
+  device's measured speed, or the node timed on real tensors of its shapes); ``"flops"``: FLOPs from
+  ``torch.utils.flop_counter`` with a floor of one per output element; ``"paper"``: the paper's rule
+  (10 for a convolution, 1 otherwise);
 * what autograd saves for the node's backward, seen through ``saved_tensors_hooks``: whether it keeps
   the node's own output (``saves_output``), which predecessors' outputs it keeps (``saved_inputs``),
   and the bytes of anything else it keeps (``saved``: BatchNorm statistics, pooling indices, masks);
@@ -40,8 +42,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxplan.capture import Captured, ExampleCall, as_call, capture, export_module, symbolic_trace_module
 from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges, written_arguments
-from fxplan.errors import TraceError
-from fxplan.measure import fake_copy, fake_mode_of, to_fake
+from fxplan.errors import FxplanError, TraceError
+from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.timecost import T_SECONDS, TIME_MODELS, ByteCounter, device_speed, measure_seconds
 
 logger = logging.getLogger("fxplan")
 
@@ -66,19 +69,28 @@ def trace_module(model: torch.nn.Module) -> torch.fx.GraphModule:
     return symbolic_trace_module(model)
 
 
-def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "flops",
+#: What ``trace`` accepts as ``cost_model``.
+COST_MODELS = ("roofline", "measured", "flops", "paper")
+
+
+def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roofline",
           captured: Captured | None = None) -> CostGraph:
     """Capture ``model`` and propagate ``example_inputs`` (real or fake) into a cost graph.
 
     ``example_inputs`` is a tuple of positional arguments, a dict of keyword arguments or one tensor.
-    ``cost_model`` is ``"flops"`` (default) or ``"paper"`` (Kusumoto et al. section 3: 10 for a
-    convolution, 1 otherwise). The captured GraphModule (sharing the user's modules) is kept in
+    ``cost_model`` (module docstring) is ``"roofline"`` (default: works on fake tensors, costs little
+    more than counting FLOPs, and gives the same plan on every run), ``"measured"`` (each distinct node timed on real
+    tensors: closer to the machine, slower, and varies with load), ``"flops"`` or ``"paper"`` (Kusumoto et
+    al. section 3: 10 for a convolution, 1 otherwise). ``cg.graph["T_seconds"]`` is the seconds of one
+    unit of T (1e-6 for the two time models; None for FLOPs and the paper's units, which are not time).
+    A model whose device cannot be timed here (meta tensors, fake CUDA tensors without a GPU) falls back
+    from the time models to FLOPs, with a warning. The captured GraphModule (sharing the user's modules) is kept in
     ``cg.graph["gm"]`` and the :class:`~fxplan.capture.Captured` record in ``cg.graph["captured"]``.
     Nodes that update buffers in place (BatchNorm statistics of any class, counters) list them in
     ``mutates``, also recorded in the graph node's ``meta["fxplan_mutates"]`` for the rewriter.
     """
-    if cost_model not in ("flops", "paper"):
-        raise ValueError(f"cost_model must be 'flops' or 'paper', got {cost_model!r}")
+    if cost_model not in COST_MODELS:
+        raise FxplanError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
     call = as_call(example_inputs)
     captured = captured or capture(model, call)
     try:
@@ -100,6 +112,8 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "flo
             node.meta["fxplan_mutates"] = propagator.records[node.name].mutates
     cg = _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
     cg.graph["captured"] = captured
+    if cost_model in TIME_MODELS:
+        _time_costs(cg, gm, propagator, cost_model)
     return cg
 
 
@@ -157,11 +171,16 @@ class _MutationRecorder(TorchDispatchMode):
 
 
 class _NodeRecord:
-    __slots__ = ("out_bytes", "flops", "saved_storages", "out_storages", "numel", "alias_storage", "mutates")
+    __slots__ = ("out_bytes", "flops", "saved_storages", "out_storages", "numel", "alias_storage", "mutates",
+                 "bytes_moved", "ops", "device", "call")
 
     def __init__(self):
         self.out_bytes = 0
         self.flops = 0
+        self.bytes_moved = 0
+        self.ops = 0
+        self.device: torch.device | None = None
+        self.call: tuple[tuple, dict] = ((), {})  # the node's (fake) arguments, for the measured cost model
         self.numel = 0
         self.saved_storages: dict[int, int] = {}
         self.out_storages: set[int] = set()
@@ -208,10 +227,14 @@ class _CostPropagator(torch.fx.Interpreter):
 
         flop_counter = FlopCounterMode(display=False)
         mutations = _MutationRecorder(self.buffer_names)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, mutations:
+        traffic = ByteCounter()
+        record.call = self.fetch_args_kwargs_from_env(n)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, mutations, traffic:
             out = super().run_node(n)
         record.mutates = tuple(mutations.written)
         record.flops = flop_counter.get_total_flops()
+        record.bytes_moved, record.ops = traffic.bytes_moved, traffic.ops
+        record.device = next((t.device for t in _tensors((out, record.call))), None)
         for t in _tensors(out):
             key = t.untyped_storage()._cdata
             record.out_bytes += t.numel() * t.element_size()
@@ -231,7 +254,7 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
     cg = CostGraph()
     records, resident = propagator.records, propagator.resident_keys
     cg.graph.update(gm=gm, param_bytes=int(propagator.param_bytes), input_bytes=int(propagator.input_bytes),
-                    name=name)
+                    name=name, cost_model=cost_model, T_seconds=None)
     owner: dict[int, str] = {}
     for node in gm.graph.nodes:
         if node.op not in COMPUTE_OPS:
@@ -316,6 +339,44 @@ def _target_name(node: torch.fx.Node) -> str:
 
 
 def _time_cost(rec: _NodeRecord, kind: str, cost_model: str) -> float:
+    """FLOPs or the paper's units; the time models' T is set afterwards by :func:`_time_costs`."""
     if cost_model == "paper":
         return 10.0 if kind == "conv" else 1.0
     return float(max(rec.flops, rec.numel, 1))
+
+
+def _time_costs(cg: CostGraph, gm: torch.fx.GraphModule, propagator: _CostPropagator, cost_model: str) -> None:
+    """T in microseconds of forward time on the model's device (:mod:`fxplan.timecost`).
+
+    ``measured`` runs each distinct node on real tensors; a node that cannot run that way (data it
+    cannot invent, meta parameters) gets its roofline time instead.
+    """
+    records = propagator.records
+    devices = {r.device for r in records.values() if r.device is not None}
+    device = next(iter(devices), torch.device("cpu"))
+    if device.type == "meta" or (device.type == "cuda" and not torch.cuda.is_available()) or len(devices) > 1:
+        logger.warning("fxplan: cannot time nodes on %s here; node costs are FLOPs (cost_model='flops')",
+                       ", ".join(sorted(map(str, devices))))
+        cg.graph["T_seconds"], cg.graph["cost_model"] = None, "flops"
+        return
+    speed = device_speed(device)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for name in cg.nodes:
+        rec = records[name]
+        seconds = speed.seconds(rec.flops, rec.bytes_moved, rec.ops)
+        if cost_model == "measured" and rec.ops:
+            try:
+                seconds = measure_seconds(_real_op(gm, nodes[name]), *rec.call, device)
+            except Exception as exc:  # an op that cannot run on invented data keeps its roofline time
+                logger.debug("fxplan: node %s not measured (%s); roofline time used", name, exc)
+        cg.nodes[name]["T"] = max(seconds, speed.op_seconds) / T_SECONDS
+    cg.graph["T_seconds"], cg.graph["cost_model"] = T_SECONDS, cost_model
+
+
+def _real_op(gm: torch.fx.GraphModule, node: torch.fx.Node):
+    """What ``node`` runs, on the user's own (real) modules: the module, the function, or the Tensor method."""
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)
+    if node.op == "call_method":
+        return getattr(torch.Tensor, node.target)
+    return node.target

@@ -1,81 +1,92 @@
-"""Real step time of vanilla PyTorch vs fxplan's time- and memory-centric rewrites, measured in one run.
+"""Real step time of vanilla PyTorch vs fxplan's time-centric rewrites under each node cost model, one run.
 
-Usage: python scripts/step_time.py [NAME ...] [--batch-size N] [--input-size H] [--repeats R]
+Usage: python scripts/step_time.py [NAME ...] [--batch-size N] [--input-size H] [--rounds R]
+       [--threads K] [--cost-models flops roofline ...]
 
-For each network (small batch, real CPU tensors, or CUDA when available): plans a memory-centric
-rewrite at the smallest budget and a time-centric rewrite halfway between that peak and vanilla's,
-then times forward + backward of the three models interleaved (vanilla, time, memory, vanilla, ...)
-so that machine noise hits them alike, and prints the median step times and their ratios.
+For each network (real tensors on the CPU, or CUDA when available) and each cost model of
+``fxplan.trace`` (``flops``: the time model before fxplan.timecost; ``roofline``: the default): the
+time-centric plan at the smallest budget fxplan reaches, and at the budget halfway between that
+smallest measured peak (the least over the cost models) and vanilla's. All modules are then timed
+together by :func:`fxplan.timing.time_interleaved` (warm-up round, rotated interleaved rounds, fixed
+thread count); the table gives each one's median step, its ratio to vanilla as the median and
+interquartile range of per-round ratios ("within noise" when that range contains 1.0), and the
+predicted (Plan.predicted_extra_seconds) against the measured extra seconds per step.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
-import fxplan
 import models_zoo
 from fxplan.console import format_table
 from fxplan.measure import GiB, measure_step
-
-
-def timed_step(model, inputs, loss_fn, device) -> float:
-    start = time.perf_counter()
-    loss_fn(model(*inputs)).backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+from fxplan.search import Search
+from fxplan.timing import MIN_STEP_SECONDS, describe_ratio, fixed_threads, time_interleaved, training_step
+from fxplan.trace import trace
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", default=["resnet50", "vgg19", "densenet161"])
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--input-size", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("names", nargs="*", default=["resnet50", "densenet161"])
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--input-size", type=int, default=112)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--cost-models", nargs="+", default=["flops", "roofline"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device: {device}, {args.threads} threads, batch {args.batch_size}, {args.input_size}², "
+          f"{args.rounds} interleaved rounds after 1 warm-up round; ratio: median (interquartile range) of "
+          "per-round ratios to vanilla", flush=True)
+    with fixed_threads(args.threads):
+        for name in args.names:  # one table per network, printed as soon as it is measured
+            rows = measure_network(name, args, device)
+            print(format_table(("network", "model", "cost model", "peak GiB", "vs vanilla", "recompute", "step s",
+                                "ratio to vanilla", "extra s predicted", "extra s measured"), rows), flush=True)
+
+
+def measure_network(name: str, args: argparse.Namespace, device: torch.device) -> list[tuple]:
+    entry = models_zoo.get(name)
+    torch.manual_seed(0)
+    model = entry.build().to(device)
+    inputs = tuple(t.to(device) for t in entry.example_inputs(args.batch_size, args.input_size))
+    vanilla_peak = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
+    searches = {}
+    for cm in args.cost_models:
+        print(f"{name}: tracing and searching ({cm})", file=sys.stderr, flush=True)
+        searches[cm] = Search(trace(model, inputs, cost_model=cm), model, inputs, solver="approx",
+                              loss_fn=entry.loss)
+    smallest = min(s.smallest().measured for s in searches.values())
+    middle = (smallest + vanilla_peak) // 2
+    modules = {"vanilla": model}
+    for cm, search in searches.items():
+        for label, budget in (("time@middle", middle), ("time@smallest", None)):
+            print(f"{name}: planning {label} ({cm})", file=sys.stderr, flush=True)
+            modules[f"{label}|{cm}"] = search.result(search.choose(budget, "time"), budget)
+    steps = {k: training_step(m, inputs, entry.loss, device) for k, m in modules.items()}
+    timings = time_interleaved(steps, baseline="vanilla", rounds=args.rounds, warmup=1,
+                               on_round=lambda r: print(f"{name}: {r}", file=sys.stderr, flush=True))
+    base = timings["vanilla"].median
+    if base < MIN_STEP_SECONDS:
+        print(f"warning: a vanilla step of {name} takes {base:.2f} s, under {MIN_STEP_SECONDS} s: raise "
+              "--batch-size for timings that mean something", file=sys.stderr)
     rows = []
-    for name in args.names:
-        entry = models_zoo.get(name)
-        torch.manual_seed(0)
-        model = entry.build().to(device)
-        size = args.input_size or entry.quick_input_size
-        inputs = tuple(t.to(device) for t in entry.example_inputs(args.batch_size, size))
-        vanilla_peak = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
-        print(f"{name}: planning ...", file=sys.stderr, flush=True)
-        memory = fxplan.rewrite(model, None, example_inputs=inputs, strategy="memory", loss_fn=entry.loss)
-        # At a small batch parameters dominate and 50% of vanilla is often infeasible: the time-centric
-        # budget is halfway between the smallest peak reached and the vanilla peak.
-        middle = (memory.fxplan_measured_peak_bytes + vanilla_peak) / 2
-        models = {
-            "vanilla": model,
-            "time@middle": fxplan.rewrite(model, middle / GiB, example_inputs=inputs, loss_fn=entry.loss),
-            "memory": memory,
-        }
-        times: dict[str, list[float]] = {k: [] for k in models}
-        for rep in range(args.repeats + 1):
-            print(f"{name}: round {rep + 1}/{args.repeats + 1}", file=sys.stderr, flush=True)
-            for label, m in models.items():
-                m.zero_grad(set_to_none=True)
-                elapsed = timed_step(m, inputs, entry.loss, device)
-                if rep:  # the first round warms up allocators and caches
-                    times[label].append(elapsed)
-        base = statistics.median(times["vanilla"])
-        for label, m in models.items():
-            plan = getattr(m, "fxplan_plan", None)
-            peak = getattr(m, "fxplan_measured_peak_bytes", None) or vanilla_peak
-            median = statistics.median(times[label])
-            rows.append((name, label, f"{peak / GiB:.3f}", f"{1 - peak / vanilla_peak:.1%}",
-                         f"{plan.recompute_fraction:.2f}" if plan else "0.00", f"{median:.3f}",
-                         f"{median / base:.2f}"))
-    shape = f"batch {args.batch_size}" + (f", input {args.input_size}" if args.input_size else "")
-    print(f"device: {device}, {shape}, median of {args.repeats} interleaved steps")
-    print(format_table(("network", "model", "peak GiB", "reduction", "recompute", "step s", "ratio"), rows))
+    for key, m in modules.items():
+        label, _, cm = key.partition("|")
+        plan = getattr(m, "fxplan_plan", None)
+        t = timings[key]
+        peak = plan.measured_peak_bytes if plan else vanilla_peak
+        low, high = t.ratio_range or (None, None)
+        extra = plan.predicted_extra_seconds if plan else None
+        rows.append((name, label, cm or "-", f"{peak / GiB:.3f}", f"{peak / vanilla_peak - 1:+.1%}",
+                     f"{plan.recompute_fraction:.1%}" if plan else "0", f"{t.median:.3f}",
+                     describe_ratio(t.ratio, low, high),
+                     "-" if extra is None else f"{extra:.3f}",
+                     "-" if not plan else f"{t.median - base:+.3f}"))
+    return rows
 
 
 if __name__ == "__main__":

@@ -150,6 +150,56 @@ def test_gradients_the_model_holds_are_part_of_the_step():
     assert measure_step(fake, (fx,)).peak_bytes == without
 
 
+
+def test_a_fake_convnet_with_batchnorm_that_holds_gradients_fits_as_the_loop_runs_it():
+    """Built under FakeTensorMode (fake BatchNorm buffers) and after one step without zero_grad."""
+    with FakeTensorMode() as mode:
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(weights=None).train()
+        x = torch.randn(8, 3, 64, 64)
+        model(x).sum().backward()
+    holding = measure_step(model, (x,)).peak_bytes
+    with mode:
+        assert loop_peak(model, x) == holding  # the loop adds into the gradients: same storages after
+    low = fxplan.min_budget_bytes(model, (x,))
+    for budget in (low, (low + holding) // 2):
+        module = fxplan.rewrite(model, budget_bytes=budget, example_inputs=(x,))
+        with mode:
+            assert loop_peak(module, x) == module.fxplan_measured_peak_bytes <= budget
+    assert module.fxplan_plan.num_segments > 1  # the budget was met by recomputing, not trivially
+
+
+class TwoInputs(nn.Module):
+    """Two inputs, a dict output and an in-place add, like the model of issue 12, point 2."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)], nn.Linear(64, 64))
+        self.b = nn.Linear(32, 64)
+        self.c = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+
+    def forward(self, x, y):
+        h = self.a(x)
+        h += self.b(y)
+        h = self.c(h)
+        return {"out": h, "aux": (2 * h).sum()}
+
+
+def test_the_minimum_is_accepted_on_a_two_input_model_with_a_dict_output_and_an_in_place_add():
+    torch.manual_seed(0)
+    model, inputs = TwoInputs(), (torch.randn(256, 64), torch.randn(256, 32))
+
+    def loss(out):
+        return out["out"].sum() + out["aux"]
+
+    with pytest.raises(BudgetError) as info:
+        fxplan.rewrite(model, budget_bytes=1, example_inputs=inputs, loss_fn=loss)
+    low = info.value.min_feasible_bytes
+    module = fxplan.rewrite(model, low / GiB, example_inputs=inputs, loss_fn=loss)  # what the message says to do
+    assert module.fxplan_measured_peak_bytes == low == measure_step(module, inputs, loss_fn=loss).peak_bytes
+    assert module.fxplan_plan.num_segments > 1
+    assert low < measure_step(model, inputs, loss_fn=loss).peak_bytes
+
 def test_no_recomputation_when_it_saves_nothing_measurable():
     """An MLP-Mixer-like stack at a small batch: parameters and their gradients set the peak."""
     torch.manual_seed(0)

@@ -120,8 +120,8 @@ def test_numbers_are_consistent_with_vanilla(rows):
             assert math.isclose(r.reduction, 1 - r.peak_bytes / v.peak_bytes)
         if r.small_peak_bytes is not None:
             assert math.isclose(r.small_reduction, 1 - r.small_peak_bytes / v.small_peak_bytes)
-        if r.step_seconds is not None:
-            assert math.isclose(r.time_ratio, r.step_seconds / v.step_seconds)
+        if r.step_seconds is not None:  # the median of per-round ratios, inside its own range
+            assert r.ratio_low <= r.time_ratio <= r.ratio_high
 
 
 def test_recomputation_lowers_the_peak_and_is_counted(rows):

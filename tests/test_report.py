@@ -25,9 +25,10 @@ def comparison():
              note="one step at batch 32 (fake tensors): RuntimeError: modified by an inplace operation"),
         _row("torch.compile@0.5", "peer", None, 300 << 20, 1.2, small_reduction=0.25, time_ratio=1.2),
         _row("approx-time", "fxplan", 4 * GiB, 250 << 20, 1.3, reduction=0.5, small_reduction=0.375,
-             time_ratio=1.3, step_spread=0.08, recompute_fraction=0.3, planned_recompute_fraction=0.28),
+             time_ratio=1.3, ratio_low=1.2, ratio_high=1.4, recompute_fraction=0.3, planned_recompute_fraction=0.28,
+             predicted_time_ratio=1.25),
         _row("approx-time@0.5", "fxplan", 6 * GiB, 320 << 20, 1.1, reduction=0.25, small_reduction=0.2,
-             time_ratio=1.1, main=False),
+             time_ratio=1.02, ratio_low=0.97, ratio_high=1.08, main=False),
         _row("exact-time", "fxplan", None, None, None, status="timed out", note="timed out after 120 s (planning)"),
         _row("chen", "fxplan", None, None, None, status="error", note="preparing: FxplanError: no plan"),
     ]
@@ -85,12 +86,34 @@ def test_markdown_and_html_carry_failures_and_plots(comparison, tmp_path):
     assert "| method | status | peak GiB @batch 32 |" in md and "peak MiB @batch 4" in md
     for column in ("step-time ratio", "predicted peak GiB", "NAME@P"):  # every column is explained
         assert f"{column}" in md.split("## net")[0]
-    assert "1.30x (spread 8%)" in md and "1.20x |" in md  # torch.compile's row has no spread recorded
+    assert "1.30x (1.20-1.40) | 1.25x |" in md and "1.20x |" in md  # torch.compile's row has no range
+    assert "1.02x (0.97-1.08), within noise" in md  # never shown as a speed-up or a slow-down
     assert "modified by an inplace operation" in md and "timed out after 120 s" in md
     assert "![tradeoff-net](tradeoff-net.png)" in md
     page = (tmp_path / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 2
     assert "modified by an inplace operation" in page
+
+
+def test_front_table_marks_dominated_points(comparison, tmp_path):
+    pytest.importorskip("matplotlib", reason="plots need the 'report' extra (matplotlib)")
+    write_report(comparison, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    front = md.split("Memory/step-time front")[1]
+    # approx-time: -38% at 1.30x; torch.compile@0.5: -25% at 1.20x; approx-time@0.5: -20% at 1.02x, vanilla
+    lines = {line.split("|")[1].strip(): line for line in front.splitlines() if line.startswith("| ")}
+    assert "| yes |" in lines["approx-time"] and "| yes |" in lines["torch.compile@0.5"]
+    assert "| yes |" in lines["approx-time@0.5"] and "| yes |" in lines["vanilla"]
+
+
+def test_front_of_points():
+    from fxplan.front import front
+
+    def point(name, reduction, ratio):
+        return Row("n", name, "fxplan", small_reduction=reduction, time_ratio=ratio)
+
+    a, b, c, d = point("a", 0.5, 1.3), point("b", 0.4, 1.4), point("c", 0.2, 1.1), point("d", 0.0, 1.0)
+    assert [r.method for r in front([b, a, d, c])] == ["a", "c", "d"]  # b: more memory and slower than a
 
 
 def test_summary_lists_main_rows_only(comparison):

@@ -1,4 +1,5 @@
-"""Every zoo network, rewritten by fxplan.rewrite at two budgets, trains like the original and fits.
+"""Every zoo network and tiny zoo transformer, rewritten by fxplan.rewrite at two budgets, trains like the
+original and fits.
 
 Real CPU steps at a small batch and input size (``ZooEntry.quick_input_size``); budgets are whole-step
 peaks measured on fake tensors. Outputs, parameter gradients and buffers are compared bitwise when the
@@ -18,7 +19,6 @@ from torch.utils._pytree import tree_leaves
 
 import fxplan
 import models_zoo
-from fxplan.errors import TraceError
 from fxplan.measure import GiB, measure_step
 from fxplan.trace import COMPUTE_OPS
 
@@ -48,15 +48,8 @@ def assert_same(a: torch.Tensor, b: torch.Tensor, exact: bool, what: str) -> Non
         assert torch.equal(a, b), what
 
 
-def _tiny_transformer(name: str) -> pytest.param:
-    """A zoo transformer at tiny sizes; fxplan reaches transformers only with the capture stage (issue 9,
-    point 1): until it lands, rewriting raises TraceError, and then this test shows XPASS."""
-    reason = "transformers need fxplan's capture stage (torch.export); symbolic_trace cannot take them"
-    return pytest.param(f"tiny:{name}", marks=pytest.mark.xfail(raises=TraceError, reason=reason, strict=False))
-
-
 @pytest.mark.parametrize("name", models_zoo.paper_names()
-                         + [_tiny_transformer(n) for n in models_zoo.transformer_names()])
+                         + [f"tiny:{n}" for n in models_zoo.transformer_names()])
 def test_zoo_network_rewritten_at_two_budgets(name):
     if name.startswith("tiny:"):
         pytest.importorskip("transformers")

@@ -1,0 +1,222 @@
+"""Nested recomputation: plans below the canonical floor, found by measured local search.
+
+The canonical strategy (Kusumoto et al., section 3) computes each node at most twice and keeps every
+segment's inputs from the forward pass until that segment's backward. Two things it cannot do set its
+floor (docs/rewrite.md): drop a value *inside* a segment's backward and recompute it again when it is
+needed (VGG-19: the ``conv1_1`` activation, live through the next ReLU's backward only because
+``conv1_2``'s backward needs it right after), and avoid holding a segment's input that only a much
+later segment reads again (U-Net: the first level's skip activation, held by the segment that pools
+it until the end of backward). Nested plans (:mod:`fxplan.subplans`, the recursion of Chen et al.
+section 4.4 with any lower-set sequence as the inner plan) do both: a segment runs as sub-segments,
+every one but the last checkpointed again inside it, so their inputs are kept only while the segment
+is recomputed and its backward runs.
+
+The search starts from a canonical plan (the flat search's smallest measured peak) and applies two
+moves, measuring every result exactly on fake tensors (:func:`fxplan.measure_step`) and taking the
+move that lowers the peak most, until none lowers it (at most ``ROUNDS`` rounds):
+
+* **split** a segment (at any level) by a plan of its own subgraph: the DP of Kusumoto et al. run on
+  the segment's nodes, whose boundary inputs are sources outside the subgraph; the sub-plans taken are
+  its time-centric frontier and its memory-centric plan (its memory model does not see the gradients
+  arriving at the segment, which is why every candidate is measured instead of predicted);
+* **merge** a run of consecutive segments into one segment whose sub-plan is that run, so the inputs
+  of the later ones are no longer held from the forward pass.
+
+Moves are tried in order of the base plan's replayed per-segment peaks (segments whose backward is
+near the peak first), at most ``MOVES_PER_ROUND`` per round, so planning time stays bounded on graphs
+with many segments.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from fxplan import dp, subplans
+from fxplan.codegen import SegmentedModule, segment_module
+from fxplan.costgraph import CostGraph
+from fxplan.errors import BudgetError, FxplanError
+from fxplan.measure import measure_step
+from fxplan.plans import Plan
+from fxplan.subplans import Block
+from fxplan.sweep_model import SweepModel
+
+logger = logging.getLogger("fxplan")
+
+#: Most rounds of moves, and most moves measured per round.
+ROUNDS, MOVES_PER_ROUND = 6, 24
+
+#: Sub-plans taken from a segment's DP frontier (besides its memory-centric plan), longest merged run, and
+#: most two-segment cuts tried per segment.
+SUB_PLANS, MERGE_RUN, CUTS = 6, 3, 8
+
+
+@dataclass
+class NestedResult:
+    """The best nested plan found: its blocks, measured peak, generated module and recompute fraction."""
+
+    blocks: list[Block]
+    measured: int
+    module: SegmentedModule
+    recompute_fraction: float
+
+    def plan(self, cg: CostGraph, base: Plan) -> Plan:
+        """``base`` with this result's segments, sub-plans (as ``children``), recomputation and measured peak."""
+        return replace(_as_plan(cg, self.blocks, base, set()), recompute_fraction=self.recompute_fraction,
+                       strategy=f"{base.strategy}+nested", predicted_peak_bytes=self.measured,
+                       measured_peak_bytes=self.measured)
+
+
+def _as_plan(cg: CostGraph, blocks: list[Block], base: Plan, before: set[str]) -> Plan:
+    """A Plan of ``blocks`` (nodes in ``before`` run earlier): lower sets and boundaries within the whole graph."""
+    segments, lower, boundaries, children = [], [], [], {}
+    done = set(before)
+    for i, b in enumerate(blocks):
+        if b.sub is not None:
+            children[str(i)] = _as_plan(cg, b.sub, base, done)
+        done |= set(b.names)
+        segments.append(b.names)
+        lower.append([v for s in segments for v in s])
+        boundaries.append([v for v in b.names if any(w not in done for w in cg.successors(v))])
+    return replace(base, segments=segments, lower_sets=lower, boundaries=boundaries, children=children,
+                   segment_peak_bytes=[], segment_T=[cg.total_T(s) for s in segments], strategy="nested",
+                   memory_model="measured", predicted_peak_bytes=0, measured_peak_bytes=None)
+
+
+def recompute_fraction(cg: CostGraph, blocks: list[Block], recomputed_above: int = 0) -> float:
+    """Forward cost recomputed per step ÷ one forward pass: each node counts once per checkpointed block
+    (at any level) that contains it, since each such block re-runs it in its backward. At every level the
+    last block is not checkpointed by itself (:mod:`fxplan.codegen`)."""
+    total = cg.total_T() or 1.0
+    cost = 0.0
+    for i, b in enumerate(blocks):
+        times = recomputed_above + (i < len(blocks) - 1)
+        if b.sub is None:
+            cost += times * cg.total_T(b.names)
+        else:
+            cost += recompute_fraction(cg, b.sub, times) * total
+    return cost / total
+
+
+def sub_plans(cg: CostGraph, names: list[str]) -> list[list[list[str]]]:
+    """Plans (segment lists) of the subgraph on ``names``: two-segment cuts of its node order (``names``
+    is topologically ordered, so every prefix is a lower set) at up to ``CUTS`` places, then the
+    approximate DP's time-centric frontier from the largest to the smallest predicted peak and its
+    memory-centric plan. Cuts come first: the DP's memory model does not see the gradients arriving at
+    the segment, and a cut right after the value a backward needs next is what lowers VGG-19's floor."""
+    n = len(names)
+    cuts = sorted({1 + (n - 1) * j // CUTS for j in range(CUTS)} - {n})
+    found: list[list[list[str]]] = [[names[:c], names[c:]] for c in cuts]
+    keep = set(names)
+    sub = CostGraph()
+    for v in names:
+        sub.add_node(v, **cg.nodes[v])
+    sub.add_edges_from((u, w) for u, w in cg.edges(names) if w in keep)
+    model = SweepModel()
+
+    def add(p: Plan) -> None:
+        if len(p.segments) > 1 and p.segments not in found:
+            found.append(p.segments)
+
+    try:
+        lo = dp.min_budget_bytes(sub, memory_model=model)
+        hi = dp.solve(sub, None, strategy="memory", memory_model=model)
+        add(hi)
+        top = dp.solve(sub, 2**62, strategy="time", memory_model=model).predicted_peak_bytes
+        for j in range(SUB_PLANS):
+            budget = int(lo + (top - lo) * j / max(1, SUB_PLANS - 1))
+            add(dp.solve(sub, budget, strategy="time", memory_model=model))
+    except (BudgetError, FxplanError) as exc:  # a subgraph the DP cannot plan is simply not split
+        logger.debug("no sub-plan for a segment of %d nodes: %s", len(names), exc)
+    return found
+
+
+def _levels(blocks: list[Block]) -> Iterator[list[Block]]:
+    """Every list of sibling blocks in the tree, outermost first."""
+    yield blocks
+    for b in blocks:
+        if b.sub is not None:
+            yield from _levels(b.sub)
+
+
+def _copy(blocks: list[Block]) -> list[Block]:
+    return [Block(list(b.names), None if b.sub is None else _copy(b.sub)) for b in blocks]
+
+
+class NestedSearch:
+    """Local search over nested plans from a canonical plan (module docstring)."""
+
+    def __init__(self, cg: CostGraph, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None):
+        self.cg, self.inputs, self.loss_fn = cg, inputs, loss_fn
+        self._sub_plans: dict[tuple[str, ...], list[list[list[str]]]] = {}
+
+    def measure(self, blocks: list[Block]) -> tuple[int, SegmentedModule] | None:
+        segments = [b.names for b in blocks]
+        try:
+            module = segment_module(self.cg.graph["gm"], segments, subplans.as_children(blocks))
+        except FxplanError as exc:
+            logger.debug("nested candidate rejected by the rewriter: %s", exc)
+            return None
+        return measure_step(module, self.inputs, fake=True, loss_fn=self.loss_fn).peak_bytes, module
+
+    def _moves(self, blocks: list[Block], rank: dict[str, int]) -> Iterator[list[Block]]:
+        """Trees one move away from ``blocks``, most promising first (``rank``: node -> priority, 0 best);
+        a segment's sub-plans are computed only when its turn comes."""
+        moves: list[tuple[int, int, int, int]] = []  # (priority, level, i, j): split i if j < 0, else merge i..j
+        for li, level in enumerate(_levels(blocks)):
+            prio = [min(rank.get(v, len(rank)) for v in b.names) for b in level]
+            for i, b in enumerate(level):
+                if b.sub is None and len(b.names) > 1:
+                    moves.append((prio[i], li, i, -1))
+                # a run that ends with its level's last block is not checkpointed by itself: nothing changes
+                for j in range(i + 1, min(len(level) - 1, i + MERGE_RUN)):
+                    moves.append((min(prio[i:j + 1]), li, i, j))
+        moves.sort()
+        for _, li, i, j in moves:
+            if j >= 0:
+                yield self._apply(blocks, li, i, j, None)
+                continue
+            names = list(_levels(blocks))[li][i].names
+            key = tuple(names)
+            if key not in self._sub_plans:
+                self._sub_plans[key] = sub_plans(self.cg, names)
+            for p in self._sub_plans[key]:
+                yield self._apply(blocks, li, i, i, p)
+
+    @staticmethod
+    def _apply(blocks: list[Block], li: int, i: int, j: int, split: list[list[str]] | None) -> list[Block]:
+        new = _copy(blocks)
+        level = list(_levels(new))[li]
+        if split is not None:
+            level[i].sub = [Block(list(s)) for s in split]
+        else:
+            run = level[i:j + 1]
+            level[i:j + 1] = [Block([v for b in run for v in b.names], run)]
+        return new
+
+    def improve(self, base: Plan, base_measured: int, segment_peaks: list[int]) -> NestedResult | None:
+        """The nested plan of least measured peak reachable from ``base`` by the moves, if lower than
+        ``base_measured``; None if no move lowers it."""
+        order = sorted(range(len(base.segments)), key=lambda i: -segment_peaks[i]) if segment_peaks else []
+        rank = {v: r for r, i in enumerate(order) for v in base.segments[i]}
+        best_blocks = [Block(list(s)) for s in base.segments]
+        best, module = base_measured, None
+        for _ in range(ROUNDS):
+            round_best = None
+            for n, cand in enumerate(self._moves(best_blocks, rank)):
+                if n == MOVES_PER_ROUND:
+                    break
+                got = self.measure(cand)
+                if got is not None and got[0] < (best if round_best is None else round_best[0]):
+                    round_best = (got[0], got[1], cand)
+            if round_best is None:
+                break
+            best, module, best_blocks = round_best
+            logger.debug("nested: measured peak %d bytes", best)
+        if module is None:
+            return None
+        return NestedResult(best_blocks, best, module, recompute_fraction(self.cg, best_blocks))

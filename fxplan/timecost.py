@@ -1,0 +1,210 @@
+"""Node time costs in seconds on the device the model trains on: a roofline estimate or a measurement.
+
+The time-centric DP (Kusumoto et al. 2019, section 4.4) minimises T(recomputed nodes). With FLOPs as
+T, normalisations, activations and additions cost almost nothing, yet on real hardware they are bound
+by memory bandwidth and take a sizeable share of a step: recomputing them is not free. This module
+gives T in microseconds of forward time (a plan recomputes forward ops only; the backward runs once
+whatever the plan, so its time does not enter the objective):
+
+* ``"roofline"``: ``flops / peak FLOP/s + bytes moved / bandwidth + ATen ops × per-op overhead``. The
+  three device constants are measured once per device and thread count by :func:`device_speed` (a
+  float32 matrix product, a large copy and a tiny addition; well under a second) and cached for the
+  process. Works on fake tensors, so planning a model far larger than the machine still gets seconds.
+  Bytes moved are counted per ATen op (:class:`ByteCounter`): the bytes of its tensor inputs plus the
+  bytes of the outputs it writes; pure views move nothing.
+* ``"measured"``: the node's forward run on real random tensors of its shapes on its device (one
+  warm-up, median of :data:`MEASURE_REPEATS`), cached per op, shapes, dtypes and device so that the
+  repeated layers of a network are timed once (:func:`measure_seconds`). The user's modules are
+  copied before they run, so BatchNorm statistics stay untouched.
+
+T is kept in microseconds rather than seconds so that the solvers' absolute tolerances (1e-6) stay
+far below any node's cost; :data:`T_SECONDS` converts.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from fxplan.effects import written_arguments
+
+#: Seconds per unit of T under the time models of this module (T is in microseconds).
+T_SECONDS = 1e-6
+
+#: Timed repetitions per node in the measured model (after one warm-up run).
+MEASURE_REPEATS = 3
+
+#: Cost models of :func:`fxplan.trace.trace` whose T is time (seconds × 1e6), not FLOPs or the paper's units.
+TIME_MODELS = ("roofline", "measured")
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """What one device sustains: float32 FLOP/s of a large matrix product, bytes/s of a large copy (read
+    plus write), and the seconds one tiny ATen op costs (dispatch and launch overhead)."""
+
+    device: str
+    flops_per_s: float
+    bytes_per_s: float
+    op_seconds: float
+    threads: int
+
+    def seconds(self, flops: float, bytes_moved: float, ops: int) -> float:
+        """The roofline time of work: compute and memory traffic, added (they rarely overlap fully on a
+        CPU), plus the fixed cost of every op."""
+        return flops / self.flops_per_s + bytes_moved / self.bytes_per_s + ops * self.op_seconds
+
+
+_SPEEDS: dict[tuple[str, int], DeviceSpeed] = {}
+
+
+def device_speed(device: torch.device | str = "cpu") -> DeviceSpeed:
+    """The measured :class:`DeviceSpeed` of ``device`` at the current ``torch.get_num_threads()``,
+    benchmarked on first use and cached for the process."""
+    device = torch.device(device)
+    key = (str(device), torch.get_num_threads())
+    if key not in _SPEEDS:
+        _SPEEDS[key] = _benchmark(device)
+    return _SPEEDS[key]
+
+
+def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _benchmark(device: torch.device) -> DeviceSpeed:
+    cuda = device.type == "cuda"
+    with torch.no_grad():
+        flops = _matmul_flops_per_s(device, 4096 if cuda else 1024)
+        bandwidth = _copy_bytes_per_s(device, (256 if cuda else 32) * 2**20)
+    # a training step records autograd history for every op: the fixed cost includes it
+    one = torch.ones(1, device=device, requires_grad=True)
+    per_op = _best_seconds(lambda: [one + one for _ in range(100)], device, 5) / 100
+    return DeviceSpeed(str(device), flops, bandwidth, per_op, torch.get_num_threads())
+
+
+def _matmul_flops_per_s(device: torch.device, n: int) -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device, 5)
+
+
+def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
+    src = torch.empty(nbytes // 4, device=device).uniform_()
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, 5)
+
+
+# ---------------------------------------------------------------------------------------- bytes moved
+
+
+class ByteCounter(TorchDispatchMode):
+    """Counts the ATen ops run under it and the bytes they move: each op's tensor inputs plus the outputs
+    it writes (new storages, or inputs it writes in place). A pure view (outputs alias an input, nothing
+    written) moves nothing. Works on fake tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes_moved = 0
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        written = [t for v in written_arguments(func, args, kwargs) for t in tree_leaves(v)
+                   if isinstance(t, torch.Tensor)]
+        in_keys = {t.untyped_storage()._cdata for t in inputs}
+        fresh = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                 and t.untyped_storage()._cdata not in in_keys]
+        self.ops += 1
+        if fresh or written:
+            self.bytes_moved += sum(_nbytes(t) for t in [*inputs, *fresh, *written])
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------------------- measuring
+
+
+_MEASURED: dict[tuple, float] = {}
+
+
+def op_key(op: Any, args: tuple, kwargs: dict, device: torch.device) -> tuple:
+    """The cache key of one node's forward: what runs (a module's repr and mode, or a function's name),
+    tensor shapes and dtypes, the other arguments, device and thread count. Equal layers share it."""
+    def describe(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), str(x.dtype), x.requires_grad)
+        return repr(x)
+
+    if isinstance(op, torch.nn.Module):
+        what = (type(op).__qualname__, repr(op), op.training)
+    else:
+        what = (getattr(op, "__module__", ""), getattr(op, "__qualname__", None) or repr(op))
+    leaves = tuple(describe(x) for x in tree_leaves((args, kwargs)))
+    return (what, leaves, str(device), torch.get_num_threads())
+
+
+def real_like(x: Any, device: torch.device) -> Any:
+    """A real tensor of ``x``'s shape, dtype and ``requires_grad`` on ``device`` (random floats, zeros
+    otherwise: zero is a valid index for any gather or embedding); other values unchanged."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        t = torch.randn(tuple(x.shape), dtype=x.dtype, device=device)
+    else:
+        t = torch.zeros(tuple(x.shape), dtype=x.dtype, device=device)
+    return t.requires_grad_(x.requires_grad and (x.dtype.is_floating_point or x.dtype.is_complex))
+
+
+def measure_seconds(op: Callable[..., Any], fake_args: tuple, fake_kwargs: dict,
+                    device: torch.device) -> float:
+    """Median forward seconds of ``op(*args, **kwargs)`` on real tensors shaped like the (fake) arguments,
+    with autograd recording as in a training step; cached by :func:`op_key`. A module is deep-copied
+    first, so its parameters and buffers (BatchNorm statistics) are left as they were."""
+    key = op_key(op, fake_args, fake_kwargs, device)
+    if key not in _MEASURED:
+        if isinstance(op, torch.nn.Module):
+            op = copy.deepcopy(op).to(device)
+        args = tree_map(lambda x: real_like(x, device), fake_args)
+        kwargs = tree_map(lambda x: real_like(x, device), fake_kwargs)
+        samples = []
+        with torch.enable_grad():
+            for i in range(MEASURE_REPEATS + 1):
+                _sync(device)
+                start = time.perf_counter()
+                out = op(*args, **kwargs)
+                _sync(device)
+                if i:
+                    samples.append(time.perf_counter() - start)
+                del out
+        _MEASURED[key] = statistics.median(samples)
+    return _MEASURED[key]
+
+
+__all__ = ["ByteCounter", "DeviceSpeed", "MEASURE_REPEATS", "TIME_MODELS", "T_SECONDS", "device_speed",
+           "measure_seconds", "op_key", "real_like"]

@@ -1,0 +1,185 @@
+"""Nested plans (fxplan.subplans, fxplan.nested): sub-segments checkpointed inside segments, exactly."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import random
+
+import pytest
+import torch
+import torch.fx as fx
+from models_awkward import AWKWARD, assert_same_training, random_plan
+from reach_checks import assert_rewrite_exact
+from torch import nn
+
+from fxplan import subplans
+from fxplan.codegen import segment_module
+from fxplan.errors import FxplanError
+from fxplan.measure import measure_step
+from fxplan.plans import Plan
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def nest(segments, rng, depth):
+    """Random sub-plans: each segment of 2+ nodes split into contiguous chunks, down to ``depth`` levels."""
+    children = {}
+    for i, seg in enumerate(segments):
+        if depth == 0 or len(seg) < 2:
+            continue
+        k = rng.randint(2, min(3, len(seg)))
+        cuts = sorted(rng.sample(range(1, len(seg)), k - 1))
+        bounds = [0, *cuts, len(seg)]
+        sub = [seg[a:b] for a, b in zip(bounds, bounds[1:])]
+        children[str(i)] = {"segments": sub, "children": nest(sub, rng, depth - 1)}
+    return children
+
+
+@pytest.mark.parametrize("name", sorted(AWKWARD))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_nested_plans_train_exactly(name, seed):
+    """Outputs, gradients and buffers bitwise equal over two steps, BatchNorm and dropout included, for
+    random plans nested two levels deep (so values are recomputed up to three times)."""
+    make, make_inputs = AWKWARD[name]
+    inputs = make_inputs()
+    torch.manual_seed(seed)
+    model = make()
+    gm = fx.symbolic_trace(model)
+    rng = random.Random(seed)
+    segments = random_plan(gm, rng, min(3, sum(1 for n in gm.graph.nodes if n.op.startswith("call"))))
+    children = nest(segments, rng, 2)
+    assert children, "the random plan must nest something"
+    ref = copy.deepcopy(model)
+    opt = segment_module(gm, segments, children)
+    assert subplans.depth(subplans.tree(segments, children)) >= 2
+    assert_same_training(ref, opt, inputs)
+
+
+def test_nested_plan_through_rewrite_train_and_eval():
+    make, make_inputs = AWKWARD["densenet_block"]
+    inputs = make_inputs()
+    model = make()
+    gm = fx.symbolic_trace(model)
+    names = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+    segments = [names[: len(names) // 2], names[len(names) // 2:]]
+    sub = {"0": {"segments": [segments[0][:2], segments[0][2:]]},
+           "1": {"segments": [segments[1][:1], segments[1][1:]]}}
+    plan = Plan(segments, segments, [[], []], 0, [0, 0], 0.0, 0.0, 0.0, None, "time", "approx-dp", "autograd",
+                children={k: Plan([*v["segments"]], [], [], 0, [], 0.0, 0.0, 0.0, None, "time", "approx-dp",
+                                  "autograd") for k, v in sub.items()})
+    opt = assert_rewrite_exact(model, inputs, None, plan=plan)
+    text = opt.readable()
+    assert "self.segment_0.segment_0_0" in text and "checkpointed again inside" in text
+    assert "self.segment_0_0(" in opt.segment_0.code
+    assert "segment_1_0" in opt.segment_1.code
+
+
+def test_nesting_survives_copies():
+    make, make_inputs = AWKWARD["bn"]
+    inputs = make_inputs()
+    model = make()
+    gm = fx.symbolic_trace(model)
+    names = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+    opt = segment_module(gm, [names[:3], names[3:]], {"0": {"segments": [names[:1], names[1:3]]}})
+    for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert other.fxplan_children == opt.fxplan_children
+        assert list(other.segment_0.fxplan_children) == ["segment_0_0", "segment_0_1"]
+        assert_same_training(copy.deepcopy(model), other, inputs)
+
+
+def test_bad_sub_plans_are_rejected():
+    make, _ = AWKWARD["bn"]
+    gm = fx.symbolic_trace(make())
+    names = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+    segments = [names[:3], names[3:]]
+    with pytest.raises(FxplanError, match="exactly that segment's nodes"):
+        segment_module(gm, segments, {"0": {"segments": [names[:1], names[1:2]]}})
+    with pytest.raises(FxplanError, match="only segments"):
+        segment_module(gm, segments, {"2": {"segments": [names[:1]]}})
+    with pytest.raises(FxplanError, match="uses"):  # sub-segments out of execution order
+        segment_module(gm, segments, {"0": {"segments": [names[1:3], names[:1]]}})
+
+
+class Chain(nn.Module):
+    """conv-relu-conv-relu at one resolution: the canonical floor keeps the first activation for the
+    second conv's backward while the second ReLU's backward runs (VGG-19's first block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.c3 = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), \
+            nn.Conv2d(16, 16, 3, padding=1)
+        self.r1, self.r2, self.r3 = nn.ReLU(inplace=True), nn.ReLU(inplace=True), nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(4)
+        self.head = nn.Linear(16 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = self.pool(self.r3(self.c3(self.r2(self.c2(self.r1(self.c1(x)))))))
+        return self.head(x.flatten(1))
+
+
+def test_nesting_drops_a_value_inside_a_backward():
+    """Checkpointing c1-r1-c2 inside the first segment lowers the measured peak below the flat plan's."""
+    model = Chain()
+    x = torch.randn(4, 3, 32, 32)
+    gm = fx.symbolic_trace(model)
+    names = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+    first, rest = names[:6], names[6:]
+    flat = measure_step(segment_module(gm, [first, rest]), (x,), fake=True).peak_bytes
+    nested = segment_module(gm, [first, rest], {"0": {"segments": [first[:3], first[3:]]}})
+    assert measure_step(nested, (x,), fake=True).peak_bytes < flat
+    assert_same_training(copy.deepcopy(model), nested, (x,))
+
+
+# ---------------------------------------------------------------------------------------------
+# the search and the floor
+
+
+def test_search_goes_below_the_canonical_plans_and_trains_exactly():
+    """On a VGG-like chain the nested search lowers the smallest measured peak; a budget between the
+    nested and the canonical peaks, refused before, gets a nested plan that fits and trains exactly."""
+    model = Chain()
+    x = (torch.randn(16, 3, 32, 32),)
+    from fxplan.search import Search
+    from fxplan.trace import trace
+
+    search = Search(trace(model, x), model, x, solver="approx")
+    flat, low = search.smallest(), search.lowest()
+    assert low.measured < flat.measured and low.plan.children
+    assert low.recompute > flat.recompute
+    budget = (low.measured + flat.measured) // 2
+    opt = assert_rewrite_exact(model, x, budget / 2**30)
+    assert opt.fxplan_plan.children and opt.fxplan_measured_peak_bytes <= budget
+    assert "sub-plan of" in opt.fxplan_plan.summary()
+
+
+@pytest.mark.parametrize("name", sorted(AWKWARD))
+def test_floor_is_below_every_plan(name):
+    """No plan, flat or nested, measures below the physical floor; vanilla is at or above it."""
+    from fxplan.floor import physical_floor
+
+    make, make_inputs = AWKWARD[name]
+    model, inputs = make(), make_inputs()
+    if name == "bn":
+        model.shared.momentum = 0.1  # cumulative averaging reads a buffer's value: not fake-measurable
+    floor = physical_floor(model, inputs).bytes
+    assert measure_step(model, inputs, fake=True).peak_bytes >= floor
+    gm = fx.symbolic_trace(model)
+    rng = random.Random(3)
+    for k in (2, 3):
+        segments = random_plan(gm, rng, k)
+        for children in ({}, nest(segments, rng, 2)):
+            assert measure_step(segment_module(gm, segments, children), inputs, fake=True).peak_bytes >= floor
+
+
+def test_floor_of_a_chain_is_its_largest_op():
+    """Linear layers without bias: the floor is resident + the largest op's operands and results + held grads."""
+    from fxplan.floor import physical_floor
+
+    model = nn.Sequential(nn.Linear(100, 400, bias=False), nn.Linear(400, 10, bias=False))
+    x = torch.randn(50, 100)
+    f = physical_floor(model, (x,))
+    assert f.resident_bytes == 4 * (100 * 400 + 400 * 10 + 50 * 100)
+    assert f.bytes == f.resident_bytes + f.op_bytes + f.held_bytes
+    assert f.bytes <= measure_step(model, (x,), fake=True).peak_bytes
+    assert f.op_bytes >= 4 * 50 * 400 * 2  # some op has the hidden activation and its gradient (or itself twice)

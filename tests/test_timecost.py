@@ -1,0 +1,162 @@
+"""Node time costs in seconds (fxplan.timecost) and the timing helper (fxplan.timing); no wall-clock asserts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxplan.errors import FxplanError
+from fxplan.plans import Plan
+from fxplan.timecost import T_SECONDS, ByteCounter, device_speed, op_key
+from fxplan.timing import describe_ratio, fixed_threads, quartiles, time_interleaved
+from fxplan.trace import trace
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return torch.flatten(self.conv2(self.relu(self.bn(self.conv1(x)))), 1)
+
+
+def test_bytes_moved_per_aten_op():
+    x = torch.randn(1000)
+    with ByteCounter() as c:
+        torch.relu(x)
+    assert (c.ops, c.bytes_moved) == (1, 8000)  # reads 4000 bytes, writes 4000
+    with ByteCounter() as c:
+        x.view(10, 100)
+    assert (c.ops, c.bytes_moved) == (1, 0)      # a view moves nothing
+    with ByteCounter() as c:
+        x.relu_()
+    assert c.bytes_moved == 8000                 # in place: reads and writes its input
+    with FakeTensorMode() as mode, ByteCounter() as c:
+        mode.from_tensor(x) + 1
+    assert c.bytes_moved == 8000                 # counted on fake tensors alike
+
+
+def test_roofline_prices_memory_bound_ops():
+    x = torch.randn(4, 8, 16, 16)
+    flops = trace(Block(), (x,), cost_model="flops")
+    roof = trace(Block(), (x,), cost_model="roofline")
+    assert roof.graph["T_seconds"] == T_SECONDS and roof.graph["cost_model"] == "roofline"
+    speed = device_speed("cpu")
+    for v in roof.nodes:
+        assert roof.nodes[v]["T"] * T_SECONDS >= speed.op_seconds  # every node costs at least one op
+    # bn and relu are memory-bound: against a conv they cost more than FLOPs say
+    for v in ("bn", "relu"):
+        assert roof.nodes[v]["T"] / roof.nodes["conv1"]["T"] > flops.nodes[v]["T"] / flops.nodes["conv1"]["T"]
+    assert roof.nodes["flatten"]["T"] < roof.nodes["relu"]["T"]  # a view costs its op, not its bytes
+
+
+def test_measured_model_leaves_the_model_alone_and_shares_equal_layers():
+    torch.manual_seed(0)
+    model = Block()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 8, 8, 8, requires_grad=True)  # conv1's input records autograd history, as conv2's
+    cg = trace(model, (x,), cost_model="measured")
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # BN statistics untouched
+    assert cg.graph["cost_model"] == "measured" and all(cg.nodes[v]["T"] > 0 for v in cg.nodes)
+    assert cg.nodes["conv1"]["T"] == cg.nodes["conv2"]["T"]  # equal layers and shapes: timed once
+
+
+def test_op_key_tells_shapes_and_modules_apart():
+    conv, x = nn.Conv2d(3, 3, 1), torch.randn(1, 3, 4, 4)
+    device = torch.device("cpu")
+    assert op_key(conv, (x,), {}, device) == op_key(nn.Conv2d(3, 3, 1), (x.clone(),), {}, device)
+    assert op_key(conv, (x,), {}, device) != op_key(conv, (torch.randn(2, 3, 4, 4),), {}, device)
+    assert op_key(conv, (x,), {}, device) != op_key(nn.Conv2d(3, 3, 1, bias=False), (x,), {}, device)
+
+
+def test_meta_models_fall_back_to_flops(caplog):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(8, 8, 3), nn.ReLU())
+    cg = trace(model, (torch.randn(2, 8, 8, 8, device="meta"),))
+    assert cg.graph["cost_model"] == "flops" and cg.graph["T_seconds"] is None
+    assert "cannot time nodes on meta" in caplog.text
+
+
+def test_unknown_cost_model_is_a_clear_error():
+    with pytest.raises(FxplanError, match="cost_model must be one of roofline, measured"):
+        trace(Block(), (torch.randn(1, 8, 4, 4),), cost_model="seconds")
+
+
+def test_plan_reports_predicted_extra_seconds():
+    plan = Plan([["a"], ["b"]], [["a"], ["a", "b"]], [["a"], []], 0, [0, 0], 0.0, 0.25, 0.25, None, "time",
+                "approx-dp", "autograd", total_T=2e6, segment_T=[5e5, 1.5e6], T_seconds=1e-6)
+    assert plan.predicted_extra_seconds == pytest.approx(0.5)
+    assert "predicted to add 500 ms to each training step" in plan.summary()
+    assert Plan.from_json(plan.to_json()).predicted_extra_seconds == pytest.approx(0.5)
+    flops_plan = Plan.from_dict({**plan.to_dict(), "T_seconds": None})
+    assert flops_plan.predicted_extra_seconds is None and "predicted to add" not in flops_plan.summary()
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+
+def test_interleaved_rounds_give_per_round_ratios():
+    clock = iter(range(1, 1000))
+    calls: list[str] = []
+
+    def step(name, seconds):
+        def run():
+            calls.append(name)
+            next(clock)
+            return seconds
+        return run
+
+    timings = time_interleaved({"vanilla": step("vanilla", 1.0), "plan": step("plan", 1.2),
+                                "fast": step("fast", 0.9)}, baseline="vanilla", rounds=4, warmup=1)
+    assert len(calls) == 15 and calls[:3] == ["vanilla", "plan", "fast"]
+    assert calls[3:6] == ["plan", "fast", "vanilla"]  # the order rotates from round to round
+    assert timings["plan"].samples == [1.2] * 4 and timings["plan"].ratio == pytest.approx(1.2)
+    assert timings["vanilla"].within_noise and not timings["plan"].within_noise
+    assert timings["fast"].ratio == pytest.approx(0.9)
+
+
+def test_a_failing_step_is_dropped_and_kept_as_error():
+    def broken():
+        raise RuntimeError("boom")
+
+    timings = time_interleaved({"vanilla": lambda: 1.0, "broken": broken}, baseline="vanilla", rounds=2)
+    assert isinstance(timings["broken"].error, RuntimeError) and timings["broken"].samples == []
+    assert timings["vanilla"].samples == [1.0, 1.0]
+    with pytest.raises(FxplanError, match="baseline"):
+        time_interleaved({"a": lambda: 1.0}, baseline="vanilla", rounds=1)
+
+
+def test_ratio_text_never_calls_noise_a_speed_up():
+    assert describe_ratio(0.97, 0.9, 1.05) == "0.97x (0.90-1.05), within noise"
+    assert describe_ratio(1.2, 1.1, 1.3) == "1.20x (1.10-1.30)"
+    assert describe_ratio(None, None, None) == "-"
+    assert quartiles([1.0, 2.0]) == (1.0, 2.0) and quartiles([1, 2, 3, 4, 5]) == (2, 4)
+
+
+def test_fixed_threads_restores_the_count():
+    before = torch.get_num_threads()
+    with fixed_threads(1) as n:
+        assert n == 1 == torch.get_num_threads()
+    assert torch.get_num_threads() == before
+    with pytest.raises(FxplanError), fixed_threads(0):
+        pass
+
+
+def test_batch_for_step_doubles_until_a_step_is_long_enough():
+    from fxplan.timing import batch_for_step
+
+    asked: list[int] = []
+
+    def step_at(batch):
+        asked.append(batch)
+        return 0.1 * batch
+
+    assert batch_for_step(step_at, 4, most=64) == (8, pytest.approx(0.8))
+    assert asked == [4, 4, 8, 8]  # each batch warmed up once, then timed
+    assert batch_for_step(lambda b: 0.01, 4, most=20)[0] == 20  # capped: the caller warns
