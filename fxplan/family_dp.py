@@ -154,8 +154,8 @@ def _price(ctx: Context, fam: Family, pi: np.ndarray, pj: np.ndarray) -> tuple[n
         part = idx[lo:lo + PRICE_CHUNK]
         F[part], G[part], H[part] = ctx.bm.pair_costs(fam, pi[part], pj[part])
     if len(idx):
-        add = np.unique(keys[idx], return_index=True)[1]
-        cols = [keys[idx][add], F[idx][add], G[idx][add], H[idx][add]]
+        add = idx[np.unique(keys[idx], return_index=True)[1]]
+        cols = [keys[add], F[add], G[add], H[add]]
         if memo is not None and len(memo[0]) + len(add) <= PRICED_LIMIT:
             cols = [np.concatenate([a, b]) for a, b in zip(memo, cols)]
             order = np.argsort(cols[0], kind="stable")

@@ -122,11 +122,6 @@ def saved_sets(ix: GraphIndex) -> tuple[int, list[int], list[int]]:
     return so, si, sx
 
 
-def self_saved_bytes(ix: GraphIndex, so: int, sx: list[int]) -> list[float]:
-    """Per node, what its backward keeps of its own: its output if it saves it (``so``), and ``sx``."""
-    return [float(sx[i] + (ix.M[i] if so >> i & 1 else 0)) for i in range(ix.n)]
-
-
 class _BoundPaper(BoundModel):
     name = "paper"
 

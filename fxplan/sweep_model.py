@@ -62,6 +62,9 @@ class SweepModel:
         return _BoundSweep(ix)
 
 
+#: Events (4 numbers each) the sweep model keeps per bound graph for the targets it has priced (~160 MB).
+EVENTS_HELD = 5_000_000
+
 #: Sources of one target priced together by the sweep model's ``pair_costs``.
 SOURCE_BLOCK = 64
 
@@ -88,6 +91,8 @@ class _BoundSweep(BoundModel):
                 if not (kind == "slice" or (kind == "same" and M[p] == M[v])):
                     self.alloc[v] += M[p]
         self.sinks = sum(1 << u for u in range(n) if not ix.dsucc[u])
+        self._held_events: dict[int, tuple[np.ndarray, ...]] = {}
+        self._held_count = 0
 
     def _events(self, Lp: int) -> list[tuple[int, int, int, int]]:
         """(position, bytes, node u, gate) for target set L': the bytes count at that position and above
@@ -111,6 +116,19 @@ class _BoundSweep(BoundModel):
                 out += [(u, M[u], u, _IN_SEGMENT), (last, -M[u], u, _IN_SEGMENT),
                         (0, M[u], u, _ON_BOUNDARY), (last, -M[u], u, _ON_BOUNDARY)]
         return out
+
+    def _sorted_events(self, Lp: int) -> tuple[np.ndarray, ...]:
+        """:meth:`_events` of L' as sorted arrays (position, bytes, node, gate), kept for later calls
+        (the budget search prices moves into the same targets solve after solve) up to ``EVENTS_HELD``."""
+        held = self._held_events.get(Lp)
+        if held is None:
+            held = tuple(np.array(x) for x in zip(*sorted(self._events(Lp))))
+            self._held_count += len(held[0])
+            if self._held_count > EVENTS_HELD:
+                self._held_events.clear()
+                self._held_count = len(held[0])
+            self._held_events[Lp] = held
+        return held
 
     def _freed(self, L: int, Lp: int) -> int:
         """Cached values of L that V' does not read: taken to be read only beyond L' (whose backward is
@@ -188,7 +206,7 @@ class _BoundSweep(BoundModel):
         ends = np.r_[starts[1:], len(pi)]
         alloc = np.array(self.alloc, dtype=np.float64)
         for j, a, b in zip(targets.tolist(), starts.tolist(), ends.tolist()):
-            events = tuple(np.array(x) for x in zip(*sorted(self._events(fam.sets[j]))))
+            events = self._sorted_events(fam.sets[j])
             lp = np.unpackbits(fam.bits[j], bitorder="little", count=n).astype(bool)
             for c in range(a, b, SOURCE_BLOCK):  # a block: consecutive sources, alike sets
                 sel = order[c:min(b, c + SOURCE_BLOCK)]
@@ -210,9 +228,9 @@ class _BoundSweep(BoundModel):
     def lb_weights(self):
         """Σ over V' of what is alive when backward processes the segment's last member v_max (module
         docstring): every ``sx[u]``, and ``M[u]`` for every member u that is saved or is a sink. A member
-        u with a saver (itself, or a reader that keeps it) has that saver in V' (a reader of u lies outside
-        the lower set L), so u is held from v_max on, or has a reader outside L' (then u ∈ ∂(L'), whose
-        gradient exists from the segment's start), and a sink's gradient exists from the start. The other
+        u that saves itself is held from v_max on; a reader that saves u is in V' (no reader of u is in
+        the lower set L), and then u is held from v_max on, or outside L', and then u ∈ ∂(L') and its
+        gradient exists from the segment's start; so does a sink's. The other
         terms at v_max are non-negative: the ∂(L) gradients (+M until their last reader in L'), the cached
         L ∩ ∂(L') (which pay for ``_freed``: a member of ∂(L) that V' does not read is read beyond L'),
         and ``alloc[v_max]``. So the sum is at most F(L, L') for every move.
