@@ -103,6 +103,15 @@ class BoundModel:
         return self.transition(L, nxt)
 
 
+def recompute_costs(fam: Family, TA: np.ndarray, pi: np.ndarray, pj: np.ndarray) -> np.ndarray:
+    """H = T(V') of the moves ``fam.sets[pi] → fam.sets[pj]`` (``TA``: T summed per set), except 0 for moves
+    to V: the last segment is not recomputed."""
+    H = TA[pj] - TA[pi]
+    if fam.sets[-1] == fam.ix.full:
+        H[pj == fam.S - 1] = 0.0
+    return H
+
+
 def saved_sets(ix: GraphIndex) -> tuple[int, list[int], list[int]]:
     """What each node's backward keeps, from the tracer's attributes (module docstring).
 
@@ -319,11 +328,7 @@ class _BoundAutograd(BoundModel):
         rest = np.bincount(pair, weights=Mu * (c.in_grad * read - saved), minlength=P)
         trans = fam.max_new(tau, pi, pj)
         F = into[pj] - out_of[pi] - c.out_grad * kept + rest + c.transient * trans
-        out_g = MB[pj] - kept
-        H = TA[pj] - TA[pi]
-        if fam.sets[-1] == ix.full:
-            H[pj == fam.S - 1] = 0.0  # the last segment is not recomputed
-        return F, out_g, H
+        return F, MB[pj] - kept, recompute_costs(fam, TA, pi, pj)
 
     def h_weights(self):
         return self.ix.T_np.copy()

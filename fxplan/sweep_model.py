@@ -42,7 +42,7 @@ import numpy as np
 
 from fxplan.family import expand
 from fxplan.lowersets import GraphIndex, iter_bits
-from fxplan.memory_model import BoundModel, saved_sets
+from fxplan.memory_model import BoundModel, recompute_costs, saved_sets
 
 #: Node kinds whose backward hands an input the incoming gradient itself (``"same"``: when the input has
 #: the output's size) or a slice of it (``"slice"``); views share their operand's gradient likewise.
@@ -217,10 +217,7 @@ class _BoundSweep(BoundModel):
         MB, TA = fam.boundary_sums(M), fam.sums(ix.T_np)
         F -= MB[pi] - np.bincount(pair, weights=M[u] * read, minlength=P)
         G = MB[pj] - np.bincount(pair, weights=M[u] * stays, minlength=P)
-        H = TA[pj] - TA[pi]
-        if fam.sets[-1] == ix.full:
-            H[pj == fam.S - 1] = 0.0  # the last segment is not recomputed
-        return F, G, H
+        return F, G, recompute_costs(fam, TA, pi, pj)
 
     def h_weights(self):
         return self.ix.T_np.copy()
