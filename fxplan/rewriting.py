@@ -53,7 +53,7 @@ def rewrite(
     The result is the plan of least recomputation whose measured peak fits (:mod:`fxplan.search`); it
     carries ``fxplan_plan`` (replayed and measured peak, recompute fraction, segments) and
     ``fxplan_measured_peak_bytes``. Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the
-    smallest measured peak fxplan reaches; that many bytes, as a budget, succeed.
+    smallest measured peak fxplan reaches with ``solver``; that many bytes, as a budget, succeed.
     """
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")

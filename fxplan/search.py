@@ -101,7 +101,7 @@ class Search:
     def __init__(self, cg: CostGraph, model: torch.nn.Module, example_inputs: tuple[Any, ...], *, solver: str,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None):
         check_choices("time", solver)
-        self.cg, self.inputs, self.loss_fn = cg, example_inputs, loss_fn
+        self.cg, self.inputs, self.loss_fn, self.solver = cg, example_inputs, loss_fn, solver
         self.step: StepModel = step_model(cg, model, example_inputs, loss_fn)
         self.ratio = 1.0  # the least measured / replayed peak seen so far, at most 1
         self.candidates: list[Candidate] = []
@@ -206,8 +206,9 @@ class Search:
         smallest = best.measured
         return BudgetError(
             f"no plan fits a measured peak of {budget_bytes / GiB:.3f} GiB ({budget_bytes} bytes); the smallest "
-            f"measured peak fxplan reaches is {smallest / GiB:.3f} GiB ({smallest} bytes). Raise the budget to "
-            f"at least that (budget_bytes={smallest} is accepted), or reduce the batch size.",
+            f"measured peak fxplan reaches with solver={self.solver!r} is {smallest / GiB:.3f} GiB ({smallest} "
+            f"bytes). Raise the budget to at least that (budget_bytes={smallest} is accepted), try another "
+            "solver (each searches its own plans; one may reach lower), or reduce the batch size.",
             min_feasible_bytes=smallest,
         )
 
