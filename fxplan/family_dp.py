@@ -73,6 +73,7 @@ class Context:
     move_limit: dict = field(default_factory=dict)
     psi: dict = field(default_factory=dict)  # per family: (cap, ψ over the whole family's moves with F ≤ cap)
     priced: dict = field(default_factory=dict)  # per family: every move priced so far (:func:`_price`)
+    least_peak: dict = field(default_factory=dict)  # per family: the plan of :func:`_min_peak_chain`
 
     def family(self, exact: bool, max_sets: int | None = None) -> Family | None:
         """The pruned family {L_v} (section 4.3), or all lower sets (None if more than ``max_sets``)."""
@@ -314,7 +315,11 @@ def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
     Only moves that fit a cap are listed, and the least peak has no cap a priori. A plan of a sub-family
     (every k-th set, ∅ and V) is a plan of the family, so its peak bounds the optimum: each pass lists
     the moves with F ≤ the previous pass's peak, and the last pass, over the whole family, is exact.
+    The plan is kept in the context: the smallest budget, the memory-centric plan and a failed "time"
+    solve all start from it.
     """
+    if id(fam) in ctx.least_peak:
+        return list(ctx.least_peak[id(fam)])
     cap = math.inf
     for sub in _levels(fam.S):
         mv = _priced_moves(ctx, fam, cap, sub, sub)
@@ -326,6 +331,7 @@ def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
             k = int(nxt[k])
             chain.append(k)
         cap = min(cap, _chain_costs(ctx, fam, chain)[0])
+    ctx.least_peak[id(fam)] = tuple(chain)
     return chain
 
 

@@ -93,42 +93,77 @@ class _BoundSweep(BoundModel):
         self.sinks = sum(1 << u for u in range(n) if not ix.dsucc[u])
         self._held_events: dict[int, tuple[np.ndarray, ...]] = {}
         self._held_count = 0
+        self._interior: tuple[np.ndarray, ...] | None = None  # events of every node as a member of V
+
+    def _node_events(self, u: int, Lp: int, ends: int, out: list) -> None:
+        """Append the events of member ``u`` of L' to ``out`` (:meth:`_events`; ``ends``: ∂(L') and sinks)."""
+        M = self.ix.M
+        s = self.savers[u] & Lp
+        if s:
+            out.append(((s & -s).bit_length() - 1, M[u], u, _IN_SEGMENT))  # kept until its first saver is done
+        if self.sx[u]:
+            out.append((u, self.sx[u], u, _IN_SEGMENT))
+        readers = self.ix.dsucc[u] & Lp
+        if ends >> u & 1:
+            out.append((u, M[u], u, _IN_SEGMENT))
+            out.append((0, M[u], u, _IN_L))
+        elif readers:  # the gradient is made when the last reader is done, and lives until u is
+            last = readers.bit_length() - 1
+            out += [(u, M[u], u, _IN_SEGMENT), (last, -M[u], u, _IN_SEGMENT),
+                    (0, M[u], u, _ON_BOUNDARY), (last, -M[u], u, _ON_BOUNDARY)]
 
     def _events(self, Lp: int) -> list[tuple[int, int, int, int]]:
         """(position, bytes, node u, gate) for target set L': the bytes count at that position and above
         (backward runs from high positions to low) in every segment V' = L' \\ L where u is in V'
         (gate ``_IN_SEGMENT``), in L (``_IN_L``) or in ∂(L) (``_ON_BOUNDARY``)."""
-        ix, M = self.ix, self.ix.M
-        ends = ix.boundary(Lp) | self.sinks  # gradients that exist before the segment's backward starts
-        out = []
+        ends = self.ix.boundary(Lp) | self.sinks  # gradients that exist before the segment's backward starts
+        out: list[tuple[int, int, int, int]] = []
         for u in iter_bits(Lp):
-            s = self.savers[u] & Lp
-            if s:
-                out.append(((s & -s).bit_length() - 1, M[u], u, _IN_SEGMENT))  # kept until its first saver is done
-            if self.sx[u]:
-                out.append((u, self.sx[u], u, _IN_SEGMENT))
-            readers = ix.dsucc[u] & Lp
-            if ends >> u & 1:
-                out.append((u, M[u], u, _IN_SEGMENT))
-                out.append((0, M[u], u, _IN_L))
-            elif readers:  # the gradient is made when the last reader is done, and lives until u is
-                last = readers.bit_length() - 1
-                out += [(u, M[u], u, _IN_SEGMENT), (last, -M[u], u, _IN_SEGMENT),
-                        (0, M[u], u, _ON_BOUNDARY), (last, -M[u], u, _ON_BOUNDARY)]
+            self._node_events(u, Lp, ends, out)
         return out
 
-    def _sorted_events(self, Lp: int) -> tuple[np.ndarray, ...]:
-        """:meth:`_events` of L' as sorted arrays (position, bytes, node, gate), kept for later calls
-        (the budget search prices moves into the same targets solve after solve) up to ``EVENTS_HELD``."""
+    def _sorted_events(self, fam, j: int, lp: np.ndarray) -> tuple[np.ndarray, ...]:
+        """:meth:`_events` of the family's set ``j`` (member mask ``lp``) as arrays (position, bytes, node,
+        gate) sorted as tuples, kept for later calls (the budget search prices moves into the same targets
+        solve after solve) up to ``EVENTS_HELD``.
+
+        A member u of L' off its boundary ∂(L') has all its readers and savers (u itself, or readers of u)
+        in L', so its events are those it has as a member of V, without a boundary: those are computed
+        once per graph and selected by ``lp``; only the members of ∂(L') (few, and listed by the family)
+        are evaluated for L' itself. So a target costs O(|V|) array work and O(|∂(L')|) Python.
+        """
+        Lp = fam.sets[j]
         held = self._held_events.get(Lp)
         if held is None:
-            held = tuple(np.array(x) for x in zip(*sorted(self._events(Lp))))
+            if self._interior is None:
+                full = [e for u in range(self.ix.n) for e in self._events_of(u)]
+                self._interior = tuple(np.array(x, dtype=np.int64).reshape(-1) for x in zip(*full)) if full \
+                    else tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
+            bd = fam.bd_node[fam.bd_ptr[j]:fam.bd_ptr[j + 1]].tolist()
+            on_bd = np.zeros(self.ix.n, dtype=bool)
+            on_bd[bd] = True
+            node = self._interior[2]
+            keep = lp[node] & ~on_bd[node]
+            own: list[tuple[int, int, int, int]] = []
+            ends = sum(1 << u for u in bd) | self.sinks
+            for u in bd:
+                self._node_events(u, Lp, ends, own)
+            cols = [np.concatenate([x[keep], np.array(y, dtype=np.int64)])
+                    for x, y in zip(self._interior, zip(*own) if own else ([],) * 4)]
+            order = np.lexsort(cols[::-1])
+            held = tuple(c[order] for c in cols)
             self._held_count += len(held[0])
             if self._held_count > EVENTS_HELD:
                 self._held_events.clear()
                 self._held_count = len(held[0])
             self._held_events[Lp] = held
         return held
+
+    def _events_of(self, u: int) -> list[tuple[int, int, int, int]]:
+        """The events of ``u`` as a member of V (no boundary: only the model's outputs end there)."""
+        out: list[tuple[int, int, int, int]] = []
+        self._node_events(u, self.ix.full, self.sinks, out)
+        return out
 
     def _freed(self, L: int, Lp: int) -> int:
         """Cached values of L that V' does not read: taken to be read only beyond L' (whose backward is
@@ -206,8 +241,8 @@ class _BoundSweep(BoundModel):
         ends = np.r_[starts[1:], len(pi)]
         alloc = np.array(self.alloc, dtype=np.float64)
         for j, a, b in zip(targets.tolist(), starts.tolist(), ends.tolist()):
-            events = self._sorted_events(fam.sets[j])
             lp = np.unpackbits(fam.bits[j], bitorder="little", count=n).astype(bool)
+            events = self._sorted_events(fam, j, lp)
             for c in range(a, b, SOURCE_BLOCK):  # a block: consecutive sources, alike sets
                 sel = order[c:min(b, c + SOURCE_BLOCK)]
                 F[sel] = self._block_peaks(fam, pi[sel], events, lp, alloc)
