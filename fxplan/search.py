@@ -72,6 +72,13 @@ MARGIN = 0.01
 #: recomputation on average over budgets, and saved 2-3x the time of visiting every plan).
 STEP = 0.01
 
+#: On large graphs the walk is coarser: at most max(FRONTIER_MIN, FRONTIER_WORK / nodes) plans from the
+#: plan without recomputation down to the smallest predicted peak (a geometric step between the two, if
+#: larger than STEP). A solve's cost grows with the graph (at 3,000 nodes 1-3 s in the middle of the
+#: frontier, against 0.01-0.1 s at 1,000), so the walk's time stays near a few fake steps; graphs of up
+#: to FRONTIER_WORK / FRONTIER nodes (the zoo) walk as before. docs/planner.md, "fxplan.rewrite end to end".
+FRONTIER_WORK, FRONTIER_MIN = 200_000, 24
+
 #: The same for the exact DP on lattices too large for its family engine, where a solve takes seconds.
 LARGE_STEP, LARGE_FRONTIER = 0.05, 12
 
@@ -242,13 +249,16 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
     memo = None if large else SweepModel()  # planning contexts (fxplan.dp.context) cache its priced moves
     step, most = (LARGE_STEP, LARGE_FRONTIER) if large else (STEP, FRONTIER)
     lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo)
-    target = 2**62  # no budget: the plan without recomputation comes first
-    for _ in range(most):
-        p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo)
+    p = plan_graph(cg, model, 2**62, strategy="time", solver=solver, memory_model=memo)  # no recomputation
+    walk = max(FRONTIER_MIN, min(most, FRONTIER_WORK // max(1, cg.number_of_nodes())))
+    if walk < most and p.predicted_peak_bytes > lo:
+        step = max(step, 1 - (lo / p.predicted_peak_bytes) ** (1 / walk))
+    for k in range(most):
         yield p
         target = p.predicted_peak_bytes - max(1, int(step * p.predicted_peak_bytes))
-        if target < lo:
+        if target < lo or k == most - 1:
             break
+        p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo)
     yield plan_graph(cg, model, lo, strategy="time", solver=solver, memory_model=memo)
     yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo)
 
