@@ -225,7 +225,7 @@ Solution = tuple[list[int], tuple[int, float, list[int]]]
 
 
 def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine: str,
-         time_limit: float | None, max_states: int | None) -> Solution | None:
+         time_limit: float | None, max_states: int | None, max_sets: int | None = None) -> Solution | None:
     """One DP run: the family engine (approximate, or exact on small lattices), else the search engine.
 
     Returns the plan (bitsets L_1..L_k) with its (peak, overhead, segment peaks), or None.
@@ -245,7 +245,7 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
                 raise _too_big("lower sets", max_states)
             ctx.families.pop("exact")  # too big for this limit; another call may allow more
     if fam is not None:
-        found = _family_run(ctx, fam, objective, budget)
+        found = _family_run(ctx, fam, objective, budget, max_sets)
         return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
     if objective == "peak" and budget is None:
         # bound the search by what the approximate DP achieves; the exact optimum is no larger
@@ -276,7 +276,7 @@ def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, e
 
 def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", exact: bool = False,
           memory_model=None, engine: str = "auto", time_limit: float | None = DEFAULT_TIME_LIMIT,
-          max_states: int | None = DEFAULT_MAX_STATES) -> Plan:
+          max_states: int | None = DEFAULT_MAX_STATES, max_sets: int | None = None) -> Plan:
     """Find a recomputation plan for ``cg`` within ``budget_bytes`` (Kusumoto et al., sections 4.2-4.4).
 
     ``strategy="time"``: least overhead with predicted peak ≤ budget (``None``: no limit).
@@ -286,7 +286,9 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
     ``engine`` (exact DP only): ``"auto"``, ``"family"`` or ``"search"``. The exact DP stops with an
     :class:`FxplanError` that says to use the approximate DP after ``time_limit`` seconds (default
     ``DEFAULT_TIME_LIMIT``; ``None``: never) or when it would hold more than ``max_states`` lower sets and
-    states (default ``DEFAULT_MAX_STATES``, about 1 GB; ``None``: no limit).
+    states (default ``DEFAULT_MAX_STATES``, about 1 GB; ``None``: no limit). ``max_sets`` (approximate
+    DP, ``strategy="time"``): plan over at most that many sets of the family, the ones whose boundary is
+    cheapest (:func:`fxplan.family_dp._family_run`): a feasible plan, optimal over those sets only.
 
     Raises :class:`BudgetError` (with ``min_feasible_bytes``) when no plan fits the budget.
     """
@@ -314,7 +316,7 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
             raise fail(b_star)
         found = _run(ctx, "memory", b_star, *limits)
     else:
-        found = _run(ctx, "time", budget_bytes, *limits)
+        found = _run(ctx, "time", budget_bytes, *limits, None if exact else max_sets)
         if found is None:
             raise fail(_smallest_budget(ctx, *limits))
     return plan_from_chain(ix, bm, found[0], budget=budget_bytes, strategy=strategy, solver=solver,

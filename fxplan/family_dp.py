@@ -346,19 +346,18 @@ def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, t
     #sets² moves into #sets.
     """
     tg = targets[targets != 0]
-    F0, G0, H0 = _price(ctx, fam, np.zeros(len(tg), dtype=np.int64), tg)
-    settled = (H0 <= hsum[tg] + _EPS + 1e-9 * np.abs(hsum[tg])) & (F0 <= cap + _EPS)
-    if not settled.any():
+    first = _priced_moves(ctx, fam, cap, np.zeros(1, dtype=np.int64), tg)  # from ∅, only moves that can fit
+    first = first.restrict(first.H <= hsum[first.pj] + _EPS + 1e-9 * np.abs(hsum[first.pj]))
+    if not len(first.pj):
         return _priced_moves(ctx, fam, cap, sources, targets)
-    rest = _priced_moves(ctx, fam, cap, sources, tg[~settled])
-    first = _Moves(np.zeros(int(settled.sum()), dtype=np.int64), tg[settled], F0[settled], G0[settled],
-                   H0[settled])
+    rest = _priced_moves(ctx, fam, cap, sources, np.setdiff1d(tg, first.pj))
     both = _Moves(*(np.concatenate([x, y]) for x, y in zip(
         (rest.pi, rest.pj, rest.F, rest.G, rest.H), (first.pi, first.pj, first.F, first.G, first.H))))
     return both.restrict(np.lexsort((both.pi, both.pj)))
 
 
-def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None) -> list[int] | None:
+def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
+                max_sets: int | None = None) -> list[int] | None:
     """One DP over ``fam``: "peak" by :func:`_min_peak_chain`, "memory" and "time" by :func:`_family_dp`.
 
     With a budget, only the moves that fit it are listed and :func:`_bottleneck` prunes states that cannot
@@ -366,12 +365,28 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None)
     the least overhead, and sets whose overhead lower bound (Σ of the model's ``h_weights``) exceeds it are
     left out of the next pass; sets that one move from ∅ reaches optimally get only that move
     (:func:`_settled_moves`).
+
+    ``max_sets`` ("time" only): plan over at most that many sets: ∅, V and, in each of ``max_sets`` - 2
+    equal windows of the others (in family order), the one whose boundary ∂(L) holds the fewest bytes
+    (where a plan's cache is cheapest; ties: the earlier set). A plan of a
+    sub-family is a plan of the family, so the result is feasible; it is optimal over the sub-family
+    only. Moves grow as the square of the sets at a middle budget: this is what bounds a solve on graphs
+    of 10,000 nodes (``fxplan.search``'s frontier walk).
     """
     if objective == "peak":
         return _min_peak_chain(ctx, fam)
     S = fam.S
     cap = math.inf if budget is None else float(budget)
     levels = [np.arange(S)] if objective == "memory" else _levels(S)
+    if objective == "time" and max_sets is not None and S > max(2, max_sets):
+        key = ("cheapest", max_sets)
+        if key not in fam.cache:  # per window of the inner sets, the one of least boundary bytes
+            bsum = fam.boundary_sums(ctx.ix.M_np)
+            edges = np.linspace(1, S - 1, max_sets - 1).astype(np.int64).tolist()
+            inner = [a + int(np.argmin(bsum[a:b])) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+            fam.cache[key] = np.array([0, *inner, S - 1], dtype=np.int64)
+        keep = fam.cache[key]
+        levels = [keep[lv] for lv in _levels(len(keep))]
     bound = math.inf  # stays inf for "memory": only "time" bounds its objective
     hsum = fam.sums(ctx.bm.h_weights()) if objective == "time" else None
     chain = None

@@ -57,10 +57,11 @@ def check_choices(strategy: str, solver: str) -> None:
 
 
 def solve_graph(cg: CostGraph, activation_budget: int | None, *, strategy: str, solver: str,
-                memory_model=None) -> Plan:
+                memory_model=None, max_sets: int | None = None) -> Plan:
     """Run the chosen solver on a cost graph with a budget for activations (bytes, or None).
 
-    ``memory_model``: as :func:`fxplan.dp.solve` takes it (default: the autograd model).
+    ``memory_model`` and ``max_sets``: as :func:`fxplan.dp.solve` takes them (default: the autograd
+    model, every set).
     """
     check_choices(strategy, solver)
     if activation_budget is not None and activation_budget <= 0:
@@ -69,11 +70,12 @@ def solve_graph(cg: CostGraph, activation_budget: int | None, *, strategy: str, 
     if solver == "chen":
         variant = "sqrt" if activation_budget is None else "greedy"
         return chen.solve(cg, activation_budget, variant=variant, memory_model=memory_model)
-    return dp.solve(cg, activation_budget, strategy=strategy, exact=solver == "exact", memory_model=memory_model)
+    return dp.solve(cg, activation_budget, strategy=strategy, exact=solver == "exact", memory_model=memory_model,
+                    max_sets=max_sets)
 
 
 def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, *, strategy: str,
-               solver: str, memory_model=None) -> Plan:
+               solver: str, memory_model=None, max_sets: int | None = None) -> Plan:
     """The solver's plan for a whole-step budget in bytes (None: its smallest predicted peak), with
     whole-step predictions. No measurement: see ``fxplan.plan`` for plans held to measured peaks."""
     resident = resident_bytes(cg, model)
@@ -81,7 +83,8 @@ def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, 
         budget_bytes = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model)
     activation_budget = None if budget_bytes is None else budget_bytes - resident
     try:
-        result = solve_graph(cg, activation_budget, strategy=strategy, solver=solver, memory_model=memory_model)
+        result = solve_graph(cg, activation_budget, strategy=strategy, solver=solver, memory_model=memory_model,
+                             max_sets=max_sets)
     except BudgetError as exc:
         smallest = None if exc.min_feasible_bytes is None else exc.min_feasible_bytes + resident
         if smallest is None and solver != "chen":

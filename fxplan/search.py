@@ -77,7 +77,12 @@ STEP = 0.01
 #: larger than STEP). A solve's cost grows with the graph (at 3,000 nodes 1-3 s in the middle of the
 #: frontier, against 0.01-0.1 s at 1,000), so the walk's time stays near a few fake steps; graphs of up
 #: to FRONTIER_WORK / FRONTIER nodes (the zoo) walk as before. docs/planner.md, "fxplan.rewrite end to end".
-FRONTIER_WORK, FRONTIER_MIN = 200_000, 24
+FRONTIER_WORK, FRONTIER_MIN = 100_000, 24
+
+#: The walk's solves plan over at most this many lower sets (those whose boundary holds the fewest bytes,
+#: :func:`fxplan.family_dp._family_run`): at a middle budget a solve's moves grow as the square of the
+#: sets (10,000 sets: 50 million, over the DP's cap). The smallest-peak and memory-centric plans use all.
+FRONTIER_SETS = 1000
 
 #: The same for the exact DP on lattices too large for its family engine, where a solve takes seconds.
 LARGE_STEP, LARGE_FRONTIER = 0.05, 12
@@ -249,8 +254,8 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
     memo = None if large else SweepModel()  # planning contexts (fxplan.dp.context) cache its priced moves
     step, most = (LARGE_STEP, LARGE_FRONTIER) if large else (STEP, FRONTIER)
     lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo)
-    p = plan_graph(cg, model, 2**62, strategy="time", solver=solver, memory_model=memo)  # no recomputation
     walk = max(FRONTIER_MIN, min(most, FRONTIER_WORK // max(1, cg.number_of_nodes())))
+    p = plan_graph(cg, model, 2**62, strategy="time", solver=solver, memory_model=memo, max_sets=FRONTIER_SETS)
     if walk < most and p.predicted_peak_bytes > lo:
         step = max(step, 1 - (lo / p.predicted_peak_bytes) ** (1 / walk))
     for k in range(most):
@@ -258,7 +263,11 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
         target = p.predicted_peak_bytes - max(1, int(step * p.predicted_peak_bytes))
         if target < lo or k == most - 1:
             break
-        p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo)
+        try:
+            p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo,
+                           max_sets=FRONTIER_SETS)
+        except BudgetError:  # below the least peak over the FRONTIER_SETS sets: the plans below follow
+            break
     yield plan_graph(cg, model, lo, strategy="time", solver=solver, memory_model=memo)
     yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo)
 

@@ -1,15 +1,19 @@
 """End-to-end time of ``fxplan.rewrite`` against one fake-tensor training step of the same model.
 
 Usage: python scripts/rewrite_scale.py [--models synthetic:300,synthetic:1000,resnet50] [--repeats 1]
-                                       [--batch N]
+                                       [--batch N] [--fresh]
 
 Issue 10's goal: ``fxplan.rewrite`` (capture, plan, rewrite, budget fit) in at most 3x the time of one
 fake-tensor step (``fxplan.measure_step(model, inputs, fake=True)``), with no budget and with a middle
 budget (halfway between the smallest measured peak ``rewrite`` reaches and the step's own peak).
 ``synthetic:N`` is scripts/planner_scale.py's residual network of N nodes (batch 8, sequence 128, width
-64); other names are zoo networks (``models_zoo.get``) at ``--batch`` (default: 8). Everything runs on
-fake tensors in this one process: a warm-up step, then per repeat the step, ``rewrite`` without a budget
-and ``rewrite`` at the middle budget, interleaved; medians and ranges over the repeats. The breakdown
+64); ``gpt2:L`` a GPT-2 of L layers from transformers (width 64, 4 heads, vocabulary 128, random init,
+batch 4, sequence 128; about 46 + 41 L nodes as captured); other names are zoo networks
+(``models_zoo.get``) at ``--batch`` (default: 8). Everything runs on fake tensors in one process per
+model (``--fresh``: a child process each, so that its peak RSS is its own): the trace (capture and cost
+propagation) and the approximate DP's memory-centric solve with the rewrite's memory model (``sweep``)
+timed on their own, a warm-up step, then per repeat the step, ``rewrite`` without a budget and
+``rewrite`` at the middle budget, interleaved; medians and ranges over the repeats. The breakdown
 (seconds inside ``fxplan.search`` per stage, from the first no-budget rewrite) says where the time goes:
 ``trace`` capture and cost propagation, ``probe`` the replay's gradient probe (``step_model``), ``solve``
 the DP solves of the candidate plans, ``replay`` their predicted peaks, ``codegen`` + ``measure`` the
@@ -19,7 +23,9 @@ fake-tensor steps of the candidates measured.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -28,7 +34,9 @@ from pathlib import Path
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
-from fxplan import rewriting, search
+from fxplan import dp, rewriting, search
+from fxplan.sweep_model import SweepModel
+from fxplan.trace import trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_scale import residual_net  # noqa: E402
@@ -43,6 +51,15 @@ def build(name: str, batch: int):
     if name.startswith("synthetic:"):
         net, x = residual_net(int(name.split(":")[1]))
         return net, (x,), None
+    if name.startswith("gpt2:"):
+        from models_zoo.hf import HFModel
+
+        gpt = HFModel("GPT2Config", "causal-lm", dict(n_layer=int(name.split(":")[1]), n_embd=64, n_head=4,
+                                                      vocab_size=128, n_positions=128))
+        entry = gpt.entry(name, 4, 128, name, quick_input_size=128)
+        net = entry.build()
+        with FakeTensorMode():
+            return net, tuple(entry.example_inputs()), entry.loss
     import models_zoo
 
     entry = models_zoo.get(name)
@@ -52,9 +69,15 @@ def build(name: str, batch: int):
     return net, tuple(inputs), entry.loss
 
 
+_SECONDS: dict[str, list[float]] = defaultdict(list)
+
+
 def instrument() -> dict[str, list[float]]:
-    """Wrap the search's stages so their seconds are recorded (see the module docstring)."""
-    seconds: dict[str, list[float]] = defaultdict(list)
+    """Wrap the search's stages (once per process) so their seconds are recorded (module docstring)."""
+    seconds = _SECONDS
+    if getattr(search, "_timed", False):
+        return seconds
+    search._timed = True
     for stage, (module, attr) in STAGES.items():
         fn = getattr(module, attr)
 
@@ -81,6 +104,9 @@ def spread(xs: list[float]) -> str:
 
 def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]]) -> str:
     net, inputs, loss = build(name, batch)
+    t_trace, cg = clock(lambda: trace(net, inputs))
+    t_solve, _ = clock(lambda g=cg: dp.solve(g, None, strategy="memory", memory_model=SweepModel()))
+    cg = None  # the rewrites trace their own graph
     fxplan.measure_step(net, inputs, fake=True, loss_fn=loss)  # warm-up
     steps, free, mid, breakdown, middle, peak, nodes = [], [], [], "", None, None, 0
     for r in range(repeats):
@@ -98,9 +124,10 @@ def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]]) ->
         mid.append(t)
         peak = (m.fxplan_measured_peak_bytes, m2.fxplan_measured_peak_bytes, st.peak_bytes)
     step = statistics.median(steps)
-    return (f"| {name} | {nodes} | {spread(steps)} | {spread(free)} ({statistics.median(free) / step:.1f}x) | "
-            f"{spread(mid)} ({statistics.median(mid) / step:.1f}x) | "
-            f"{peak[0] / 2**20:.0f} / {peak[1] / 2**20:.0f} / {peak[2] / 2**20:.0f} | {breakdown} |")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return (f"| {name} | {nodes} | {t_trace:.1f} | {t_solve:.1f} | {spread(steps)} | {spread(free)} "
+            f"({statistics.median(free) / step:.1f}x) | {spread(mid)} ({statistics.median(mid) / step:.1f}x) | "
+            f"{peak[0] / 2**20:.0f} / {peak[1] / 2**20:.0f} / {peak[2] / 2**20:.0f} | {rss:.0f} | {breakdown} |")
 
 
 def main(argv: list[str]) -> None:
@@ -108,13 +135,20 @@ def main(argv: list[str]) -> None:
     p.add_argument("--models", default="synthetic:300,synthetic:1000,resnet50")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--fresh", action="store_true", help="each model in a child process (its own peak RSS)")
+    p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    seconds = instrument()
-    print("| model | nodes | fake step s | rewrite, no budget s (x step) | rewrite, middle budget s (x step) | "
-          "measured peak MiB: no budget / middle / plain step | no-budget breakdown s |")
-    print("|---|---|---|---|---|---|---|")
+    if not args.no_header:
+        print("| model | nodes | trace s | MC solve s | fake step s | rewrite, no budget s (x step) | "
+              "rewrite, middle budget s (x step) | measured peak MiB: no budget / middle / plain step | "
+              "peak RSS MB | no-budget breakdown s |")
+        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.models.split(","):
-        print(run(name, args.batch, args.repeats, seconds), flush=True)
+        if args.fresh:
+            subprocess.run([sys.executable, __file__, "--models", name, "--repeats", str(args.repeats),
+                            "--batch", str(args.batch), "--no-header"], check=False)
+            continue
+        print(run(name, args.batch, args.repeats, instrument()), flush=True)
 
 
 if __name__ == "__main__":
