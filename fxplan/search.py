@@ -75,8 +75,8 @@ STEP = 0.01
 #: On large graphs the walk is coarser: at most max(FRONTIER_MIN, FRONTIER_WORK / nodes) plans from the
 #: plan without recomputation down to the smallest predicted peak (a geometric step between the two, if
 #: larger than STEP). A solve's cost grows with the graph (at 3,000 nodes 1-3 s in the middle of the
-#: frontier, against 0.01-0.1 s at 1,000), so the walk's time stays near a few fake steps; graphs of up
-#: to FRONTIER_WORK / FRONTIER nodes (the zoo) walk as before. docs/planner.md, "fxplan.rewrite end to end".
+#: frontier, against 0.01-0.1 s at 1,000); graphs of up to FRONTIER_WORK / FRONTIER = 500 nodes (the zoo
+#: but DenseNet-161, 571 nodes: 175 plans) walk as before. docs/planner.md, "fxplan.rewrite end to end".
 FRONTIER_WORK, FRONTIER_MIN = 100_000, 24
 
 #: The walk's solves plan over at most this many lower sets (those whose boundary holds the fewest bytes,
@@ -241,7 +241,11 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
 
     DP solvers: the time-centric frontier walked down from the plan without recomputation (each next
     plan is the solver's plan for a budget ``STEP`` below the previous plan's predicted peak, up to
-    ``FRONTIER`` plans), then the plan at the smallest predicted peak and the memory-centric plan.
+    ``FRONTIER`` plans), then the plan at the smallest predicted peak and the memory-centric plan. On
+    graphs of more than ``FRONTIER_WORK / FRONTIER`` nodes the step is coarser (at most
+    ``max(FRONTIER_MIN, FRONTIER_WORK / nodes)`` plans down to the smallest predicted peak), and the
+    walk's solves plan over at most ``FRONTIER_SETS`` lower sets; the walk ends where those sets reach no
+    lower. All of this depends on the graph only, so the candidates stay the same whatever the budget.
     """
     if solver == "chen":
         plans = chen.greedy_plans(cg) + [plan_graph(cg, model, None, strategy="time", solver="chen")]
