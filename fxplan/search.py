@@ -12,7 +12,7 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    (except the exact DP on lattices too large for its family engine, :func:`_too_large_for_family`). For
    Chen's solver, the plans of Algorithm 3 over its grid of B (:func:`fxplan.chen.greedy_plans`) and
    the √n plan. A DP solver's candidates also include the other planners' plans at their smallest
-   peaks (:func:`_floor_plans`: Chen's plans, the other DP's), so its smallest peak is below all of
+   peaks (:func:`_floor_plans`: Chen's plans, the other DP's), so its smallest peak is at most any of
    theirs; ``solver="chen"`` is the paper's baseline and keeps to Chen's plans.
 2. **Prediction.** Each candidate's peak is predicted by replaying its step
    (:func:`fxplan.replay.replay`, within 2.5% of the measurement on the zoo) and its recomputation is
@@ -322,7 +322,7 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
     """For a DP solver, the other planners' plans at their smallest peaks: Chen's plans, and the other
     DP's time-centric plan at its smallest budget and memory-centric plan (where its family of lower
     sets differs from this solver's; otherwise its plans are this solver's). They join the candidates so
-    that the smallest measured peak a DP solver reports is below every planner's smallest plan, whichever
+    that the smallest measured peak a DP solver reports is at most every planner's smallest plan's, whichever
     solver was asked for (issue 12, point 1). ``solver="chen"`` stays the paper's baseline: none.
     """
     if solver == "chen":
