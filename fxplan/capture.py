@@ -450,8 +450,6 @@ def owning_graph_module(model: torch.nn.Module, graph: fx.Graph, constants: dict
         gm.__dict__.pop(name, None)
         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
             gm.register_buffer(name, value, persistent=False)
-        elif isinstance(value, torch.nn.Module):
-            gm.__dict__[name] = value  # a stateless graph body (e.g. a no_grad region): not a submodule
-        else:
+        else:  # a plain attribute; a module here is a stateless graph body (a no_grad region), not a submodule
             gm.__dict__[name] = value
     return gm
