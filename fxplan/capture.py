@@ -70,12 +70,6 @@ def as_call(example_inputs: Any) -> ExampleCall:
     )
 
 
-def call_model(model: torch.nn.Module, inputs: Any) -> Any:
-    """``model(*args, **kwargs)`` for example inputs in any of the forms :func:`as_call` accepts."""
-    call = as_call(inputs)
-    return model(*call.args, **call.kwargs)
-
-
 def module_modes(model: torch.nn.Module) -> tuple[bool, ...]:
     """The train/eval flag of every module, in ``modules()`` order: what a captured graph is specialised on."""
     return tuple(m.training for m in model.modules())
