@@ -135,8 +135,10 @@ class _BoundSweep(BoundModel):
         Lp = fam.sets[j]
         held = self._held_events.get(Lp)
         if held is None:
-            if self._interior is None:
-                full = [e for u in range(self.ix.n) for e in self._events_of(u)]
+            if self._interior is None:  # as members of V, where only the model's outputs end
+                full: list[tuple[int, int, int, int]] = []
+                for u in range(self.ix.n):
+                    self._node_events(u, self.ix.full, self.sinks, full)
                 self._interior = tuple(np.array(x, dtype=np.int64).reshape(-1) for x in zip(*full)) if full \
                     else tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
             bd = fam.bd_node[fam.bd_ptr[j]:fam.bd_ptr[j + 1]].tolist()
@@ -158,12 +160,6 @@ class _BoundSweep(BoundModel):
                 self._held_count = len(held[0])
             self._held_events[Lp] = held
         return held
-
-    def _events_of(self, u: int) -> list[tuple[int, int, int, int]]:
-        """The events of ``u`` as a member of V (no boundary: only the model's outputs end there)."""
-        out: list[tuple[int, int, int, int]] = []
-        self._node_events(u, self.ix.full, self.sinks, out)
-        return out
 
     def _freed(self, L: int, Lp: int) -> int:
         """Cached values of L that V' does not read: taken to be read only beyond L' (whose backward is
