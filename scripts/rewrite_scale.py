@@ -13,7 +13,8 @@ batch 4, sequence 128; about 46 + 41 L nodes as captured); other names are zoo n
 model (``--fresh``: a child process each, so that its peak RSS is its own): the trace (capture and cost
 propagation) and the approximate DP's memory-centric solve with the rewrite's memory model (``sweep``)
 timed on their own, a warm-up step, then per repeat the step, ``rewrite`` without a budget and
-``rewrite`` at the middle budget, interleaved; medians and ranges over the repeats. The breakdown
+``rewrite`` at the middle budget, interleaved; medians and ranges over the repeats (``--half``: no
+no-budget rewrite, and the budget is half the plain step's peak). The breakdown
 (seconds inside ``fxplan.search`` per stage, from the first no-budget rewrite) says where the time goes:
 ``trace`` capture and cost propagation, ``probe`` the replay's gradient probe (``step_model``), ``solve``
 the DP solves of the candidate plans, ``replay`` their predicted peaks, ``codegen`` + ``measure`` the
@@ -102,7 +103,7 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f}" + (f" [{min(xs):.2f}-{max(xs):.2f}]" if len(xs) > 1 else "")
 
 
-def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]]) -> str:
+def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]], half: bool = False) -> str:
     net, inputs, loss = build(name, batch)
     t_trace, cg = clock(lambda: trace(net, inputs))
     t_solve, _ = clock(lambda g=cg: dp.solve(g, None, strategy="memory", memory_model=SweepModel()))
@@ -113,6 +114,13 @@ def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]]) ->
         t, st = clock(lambda: fxplan.measure_step(net, inputs, fake=True, loss_fn=loss))
         steps.append(t)
         seconds.clear()
+        if half:  # no no-budget rewrite: the budget is half the plain step's peak
+            t, m2 = clock(lambda b=st.peak_bytes // 2: fxplan.rewrite(net, example_inputs=inputs, loss_fn=loss,
+                                                                      budget_bytes=b))
+            mid.append(t)
+            nodes = sum(len(s) for s in m2.fxplan_plan.segments)
+            peak = (None, m2.fxplan_measured_peak_bytes, st.peak_bytes)
+            continue
         t, m = clock(lambda: fxplan.rewrite(net, example_inputs=inputs, loss_fn=loss))
         free.append(t)
         if r == 0:
@@ -125,9 +133,11 @@ def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]]) ->
         peak = (m.fxplan_measured_peak_bytes, m2.fxplan_measured_peak_bytes, st.peak_bytes)
     step = statistics.median(steps)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return (f"| {name} | {nodes} | {t_trace:.1f} | {t_solve:.1f} | {spread(steps)} | {spread(free)} "
-            f"({statistics.median(free) / step:.1f}x) | {spread(mid)} ({statistics.median(mid) / step:.1f}x) | "
-            f"{peak[0] / 2**20:.0f} / {peak[1] / 2**20:.0f} / {peak[2] / 2**20:.0f} | {rss:.0f} | {breakdown} |")
+    free_s = f"{spread(free)} ({statistics.median(free) / step:.1f}x)" if free else "not run"
+    no_budget = "-" if peak[0] is None else f"{peak[0] / 2**20:.0f}"
+    return (f"| {name} | {nodes} | {t_trace:.1f} | {t_solve:.1f} | {spread(steps)} | {free_s} | "
+            f"{spread(mid)} ({statistics.median(mid) / step:.1f}x) | "
+            f"{no_budget} / {peak[1] / 2**20:.0f} / {peak[2] / 2**20:.0f} | {rss:.0f} | {breakdown} |")
 
 
 def main(argv: list[str]) -> None:
@@ -136,6 +146,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--fresh", action="store_true", help="each model in a child process (its own peak RSS)")
+    p.add_argument("--half", action="store_true",
+                   help="skip the no-budget rewrite; the middle budget is half the plain step's peak")
     p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.no_header:
@@ -146,9 +158,9 @@ def main(argv: list[str]) -> None:
     for name in args.models.split(","):
         if args.fresh:
             subprocess.run([sys.executable, __file__, "--models", name, "--repeats", str(args.repeats),
-                            "--batch", str(args.batch), "--no-header"], check=False)
+                            "--batch", str(args.batch), "--no-header"] + ["--half"] * args.half, check=False)
             continue
-        print(run(name, args.batch, args.repeats, instrument()), flush=True)
+        print(run(name, args.batch, args.repeats, instrument(), args.half), flush=True)
 
 
 if __name__ == "__main__":
