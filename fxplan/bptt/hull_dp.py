@@ -70,13 +70,18 @@ class _Hulls:
         return x0, y0, self.x[k + 1] - x0, self.y[k + 1] - y0
 
 
+#: Costs and positions are packed as ``cost << _YBITS | y``, so that one ``min`` finds the smallest cost at
+#: its smallest position (y < 2 ** _YBITS; costs stay below 2 ** 40 for t <= T_LIMIT).
+_YBITS = 16
+
+
 def _window_min(flat, width: int, arow, brow, lag, t, lo, hi, w: int):
     """Per lane: min over y in [lo, hi] (at most ``w`` positions) of y + CT[arow, y - lag] + CT[brow, t - y],
     and its smallest minimiser."""
-    ys = np.minimum(lo[:, None] + np.arange(w), hi[:, None])  # repeats of hi come after it: argmin unchanged
+    ys = np.minimum(lo[:, None] + np.arange(w), hi[:, None])  # repeats of hi: no smaller position
     q = ys + flat[(arow * width - lag)[:, None] + ys] + flat[(brow * width + t)[:, None] - ys]
-    j = np.argmin(q, axis=1)
-    return q[np.arange(len(q)), j], lo + j
+    key = ((q << _YBITS) | ys).min(axis=1)
+    return key >> _YBITS, key & ((1 << _YBITS) - 1)
 
 
 def _certified(hulls: _Hulls, acol, bcol, lag, t, lo, hi, v, cap, ylb, dom_lo, dom_hi):
@@ -169,6 +174,7 @@ def solve_tables(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, be
         brow=np.concatenate([pad + k[0] - k[1] for k in kinds]).astype(np.int64),
         lag=np.concatenate([np.full(len(k[0]), k[2]) for k in kinds]).astype(np.int64),
         pad=pad,
+        width=width,
     )
     # Candidates per m, in the order that wins ties (the scan's order: a later candidate replaces only a
     # strictly larger cost): hidden at y = 1, internal at y = 1, the hidden lane, the internal lane, and
@@ -189,7 +195,7 @@ def solve_tables(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, be
             t0 = t
             mid = _block_middle(flat, width, hulls, lanes, t0, min(t0 + _BLOCK, t_max + 1))
         if t >= 3 and len(lanes.m):
-            v, y = _row_lanes(flat, width, lanes, t, t0, mid[0][t - t0], mid[1][t - t0])
+            v, y = _row_lanes(flat, lanes, t, t0, mid[0][t - t0], mid[1][t - t0])
             cand_v[lane_slot, lanes.m - 1], cand_y[lane_slot, lanes.m - 1] = v, y
         cand_v[4], cand_y[4] = t + CT[cols, t - 1], t  # eq. (4) at y = t: all memory for the left t - 1
         k = np.argmin(cand_v, axis=0)
@@ -210,8 +216,9 @@ def cost_table(t_max: int, m_max: int, alpha: int | None, beta: int | None) -> t
 class _Lanes:
     """The lanes of :func:`solve_tables`: CT rows of A and B, lag, and the state carried between rows."""
 
-    def __init__(self, m, arow, brow, lag, pad: int) -> None:
+    def __init__(self, m, arow, brow, lag, pad: int, width: int) -> None:
         self.m, self.arow, self.brow, self.lag = m, arow, brow, lag
+        self.a_at, self.b_at = (arow * width - lag)[:, None], (brow * width)[:, None]  # + y, + t - y: flat
         self.acol, self.bcol = arow - pad - 1, brow - pad - 1  # hull columns
         self.y = np.full(len(m), 2, dtype=np.int64)  # the last row's minimiser
         # the lane of the other kind with the same m (-1: none)
@@ -271,22 +278,19 @@ def _block_middle(flat, width: int, hulls: _Hulls, lanes: _Lanes, t0: int, t1: i
     return v_out, y_out
 
 
-def _row_lanes(flat, width: int, lanes: _Lanes, t: int, t0: int, v_mid, y_mid):
+def _row_lanes(flat, lanes: _Lanes, t: int, t0: int, v_mid, y_mid):
     """Every lane's min over y = 2 .. t - 1 and smallest minimiser at row t: the block's middle
     (``v_mid``, ``y_mid``) with the positions next to both ends evaluated exactly, y in [2, t - t0] and
     [max(t0 + lag, t - t0 + 1), t - 1]."""
     e1 = max(0, min(t - t0, t - 1) - 1)  # y = 2 .. e1 + 1
-    lo2 = np.maximum(np.maximum(t0 + lanes.lag, t - t0 + 1), 2)
-    e2 = max(0, int((t - lo2).max()))
-    v, y = v_mid.copy(), y_mid.copy()
-    if e1 + e2:
-        ys = np.concatenate([np.broadcast_to(np.arange(2, 2 + e1), (len(lo2), e1)),
-                             np.minimum(lo2[:, None] + np.arange(e2), t - 1)], axis=1)
-        q = (ys + flat[(lanes.arow * width - lanes.lag)[:, None] + ys]
-             + flat[(lanes.brow * width + t)[:, None] - ys])
-        j = np.argmin(q, axis=1)
-        ve, ye = q[np.arange(len(q)), j], ys[np.arange(len(q)), j]
-        take = (ve < v) | ((ve == v) & (ye < y))
-        v, y = np.where(take, ve, v), np.where(take, ye, y)
-    lanes.y = y
-    return v, y
+    lo2 = [max(t0 + lag, t - t0 + 1, 2) for lag in (0, 1)]
+    e2 = max(0, t - lo2[0])
+    if e1 + e2 == 0:
+        lanes.y = y_mid
+        return v_mid, y_mid
+    ys = np.array([np.concatenate([np.arange(2, 2 + e1), np.minimum(np.arange(lo, lo + e2), t - 1)])
+                   for lo in lo2])[lanes.lag]
+    q = ys + flat[lanes.a_at + ys] + flat[lanes.b_at + (t - ys)]
+    key = np.minimum(((q << _YBITS) | ys).min(axis=1), (np.minimum(v_mid, 1 << 40) << _YBITS) | y_mid)
+    v, lanes.y = key >> _YBITS, key & ((1 << _YBITS) - 1)
+    return v, lanes.y
