@@ -94,8 +94,7 @@ def _certified(hulls: _Hulls, acol, bcol, lag, t, lo, hi, v, cap, ylb, dom_lo, d
     LB(y) = y + hA(y - lag) + hB(t - y) <= Q(y) is convex and piecewise linear in y. A side is proven by
     LB's value and slope at the position next to the window (LB > threshold there and not decreasing away
     from the window), or by LB's minimum, at ``ylb`` when its left and right slopes there have opposite
-    signs. Exact integer arithmetic. Returns (ok_left, ok_right, next ylb): ``ylb`` moves to the next
-    breakpoint of LB downhill, so that it tracks LB's minimiser from row to row.
+    signs (:func:`_lb_minimiser` walks ``ylb`` there). Exact integer arithmetic.
     """
     n = len(lo)
     ylb = np.clip(ylb, dom_lo, dom_hi)
@@ -117,11 +116,30 @@ def _certified(hulls: _Hulls, acol, bcol, lag, t, lo, hi, v, cap, ylb, dom_lo, d
     is_min = (slope[at_min_l] <= 0) & (slope[at_min_r] >= 0)
     ok_left = (lo <= dom_lo) | (above[left] & (slope[left] <= 0)) | (is_min & above[at_min_l])
     ok_right = (hi >= dom_hi) | (above[right] & (slope[right] >= 0)) | (is_min & above[at_min_r])
-    # next breakpoint downhill: where A's or B's segment at ylb ends
-    up = np.minimum(xa[at_min_r] + dxa[at_min_r] + lag, t - xb[at_min_r])
-    down = np.maximum(xa[at_min_l] + lag, t - xb[at_min_l] - dxb[at_min_l])
-    ylb = np.where(slope[at_min_r] < 0, up, np.where(slope[at_min_l] > 0, down, ylb))
-    return ok_left, ok_right, ylb
+    return ok_left, ok_right
+
+
+def _lb_minimiser(hulls: _Hulls, acol, bcol, lag, t, y, lo, hi, steps: int = 4):
+    """Walk ``y`` towards LB's minimiser in [lo, hi] (see :func:`_certified`) over LB's breakpoints, the
+    ends of A's and B's hull segments, at most ``steps`` of them: LB's minimiser moves little from one
+    row to the next, so the previous one plus a few steps usually reaches it."""
+    act = np.arange(len(y))
+    for _ in range(steps):
+        yy, n = y[act], len(act)
+        pa, pb = np.tile(yy - lag[act], 2), np.tile(t[act] - yy, 2)
+        back = np.repeat([1, 0], n)
+        xa, _, dxa, dya = hulls.segments(np.tile(acol[act], 2), np.maximum(pa - back, 0))
+        xb, _, dxb, dyb = hulls.segments(np.tile(bcol[act], 2), np.maximum(pb - 1 + back, 0))
+        slope = (dxa + dya) * dxb - dyb * dxa
+        up = np.minimum(xa[n:] + dxa[n:] + lag[act], t[act] - xb[n:])
+        down = np.maximum(xa[:n] + lag[act], t[act] - xb[:n] - dxb[:n])
+        ny = np.clip(np.where(slope[n:] < 0, up, np.where(slope[:n] > 0, down, yy)), lo[act], hi[act])
+        moved = ny != yy
+        y[act] = ny
+        act = act[moved]
+        if not act.size:
+            break
+    return y
 
 
 #: Positions evaluated exactly per (t, m) and kind before the bounds are checked, and rows per block
@@ -254,10 +272,10 @@ def _block_middle(flat, width: int, hulls: _Hulls, lanes: _Lanes, t0: int, t1: i
     v_win = np.full((n_rows, n_lanes + 1), INF, dtype=np.int64)  # column -1: no other lane
     v_win[r, ln] = v
     cap = v_win[r, lanes.other[ln]] - lag
-    ylb = lanes.ylb[ln]
+    ylb = _lb_minimiser(hulls, acol, bcol, lag, t, np.clip(lanes.ylb[ln], dom_lo, dom_hi), dom_lo, dom_hi)
     act = np.flatnonzero((lo > dom_lo) | (hi < dom_hi))
     while act.size:
-        ok_l, ok_r, ylb[act] = _certified(hulls, acol[act], bcol[act], lag[act], t[act], lo[act], hi[act],
+        ok_l, ok_r = _certified(hulls, acol[act], bcol[act], lag[act], t[act], lo[act], hi[act],
                                           v[act], cap[act], ylb[act], dom_lo[act], dom_hi[act])
         w *= 2
         i = act[~ok_l]
@@ -274,7 +292,7 @@ def _block_middle(flat, width: int, hulls: _Hulls, lanes: _Lanes, t0: int, t1: i
             v[j], y[j], hi[j] = np.where(take, vv, v[j]), np.where(take, yy, y[j]), nhi
         act = act[~(ok_l & ok_r)]
     v_out[r, ln], y_out[r, ln] = v, y
-    lanes.ylb[ln] = ylb  # the last row's estimate wins
+    lanes.ylb[ln] = ylb  # the last row's wins
     return v_out, y_out
 
 
