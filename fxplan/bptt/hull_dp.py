@@ -119,7 +119,7 @@ def _certified(hulls: _Hulls, acol, bcol, lag, t, lo, hi, v, cap, ylb, dom_lo, d
     return ok_left, ok_right
 
 
-def _lb_minimiser(hulls: _Hulls, acol, bcol, lag, t, y, lo, hi, steps: int = 4):
+def _lb_minimiser(hulls: _Hulls, acol, bcol, lag, t, y, lo, hi, steps: int = 8):
     """Walk ``y`` towards LB's minimiser in [lo, hi] (see :func:`_certified`) over LB's breakpoints, the
     ends of A's and B's hull segments, at most ``steps`` of them: LB's minimiser moves little from one
     row to the next, so the previous one plus a few steps usually reaches it."""
