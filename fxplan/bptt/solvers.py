@@ -133,16 +133,17 @@ def _walk(flat, width: int, rows: np.ndarray, shift: int, lag: int, t: int, star
     return y, f
 
 
-def _solve_walk(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None, walk: bool = True):
+def _solve_walk(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None,
+                walk: bool = True):
     """Fill C, D, H for the generic two-choice recurrence; see the module docstring.
 
     ``alpha is None`` disables internal pushes except the working step y = t (HSM).
 
-    Positions y = 2 .. t - 1 (the convexity speed-up of appendix A): Q1(y) = y + A(y) + B(t - y) with A = C(., m) and
-    B = C(., m - 1) (for Q2, A(y) = C(y - 1, m), B = C(., m - alpha)). Where both columns are convex in t
-    (checked as the rows are filled, not assumed), Q is convex in y, so a walk right from any y at or below
-    the smallest minimiser finds it; and that minimiser never decreases with t (for y below the one at
-    t - 1, Q_t(y) - Q_t(y*) = Q_{t-1}(y) - Q_{t-1}(y*) + ΔB(t - y) - ΔB(t - y*) > 0 as ΔB does not
+    Positions y = 2 .. t - 1 (the convexity speed-up of appendix A): Q1(y) = y + A(y) + B(t - y) with
+    A = C(., m) and B = C(., m - 1) (for Q2, A(y) = C(y - 1, m), B = C(., m - alpha)). Where both columns
+    are convex in t (checked as the rows are filled, not assumed), Q is convex in y, so a walk right from
+    any y at or below the smallest minimiser finds it; and that minimiser never decreases with t (for y
+    below the one at t - 1, Q_t(y) - Q_t(y*) = Q_{t-1}(y) - Q_{t-1}(y*) + ΔB(t - y) - ΔB(t - y*) > 0 as ΔB does not
     decrease). So each (t, m) costs O(1) amortised instead of O(t). Rows whose columns are not convex
     so far fall back to the exhaustive scan, so the tables are exact either way (``walk=False``: always
     scan). HSM and ISM columns are convex (appendix B); MSM columns are not (96 of 100 rows at t = 1000,
