@@ -70,12 +70,6 @@ def as_call(example_inputs: Any) -> ExampleCall:
     )
 
 
-def call_model(model: torch.nn.Module, inputs: Any) -> Any:
-    """``model(*args, **kwargs)`` for example inputs in any of the forms :func:`as_call` accepts."""
-    call = as_call(inputs)
-    return model(*call.args, **call.kwargs)
-
-
 def module_modes(model: torch.nn.Module) -> tuple[bool, ...]:
     """The train/eval flag of every module, in ``modules()`` order: what a captured graph is specialised on."""
     return tuple(m.training for m in model.modules())
@@ -175,6 +169,13 @@ class Captured:
     interface: CallInterface
 
 
+def _captured(model: torch.nn.Module, gm: fx.GraphModule, method: str, interface: CallInterface) -> Captured:
+    """The record of a capture. The graph carries the model and the interface too: the rewritten module
+    needs them to tell planned calls from others and to rebuild the output (:mod:`fxplan.codegen`)."""
+    gm.meta["fxplan_call"] = (model, interface)
+    return Captured(gm, method, interface)
+
+
 def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
     """Capture ``model`` for the call ``example_inputs`` (real or fake tensors); the model is not changed.
 
@@ -188,19 +189,22 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
     try:
         gm = symbolic_trace_module(model)
         _check_arguments(model, gm, call)
-        captured = Captured(gm, "symbolic_trace", CallInterface(model, call, flat=False))
+        return _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
     except TraceError as fx_error:
         logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
-        try:
-            captured = export_module(model, call)
-        except TraceError as export_error:
-            raise TraceError(
-                f"fxplan could not capture {type(model).__name__}.\n"
-                f"- torch.fx.symbolic_trace: {fx_error}\n- torch.export (non-strict): {export_error}"
-            ) from export_error
-    # What the rewritten module needs to tell planned calls from others (see fxplan.codegen).
-    captured.gm.meta["fxplan_call"] = (model, captured.interface)
-    return captured
+        return export_after(model, call, fx_error)
+
+
+def export_after(model: torch.nn.Module, call: ExampleCall, fx_error: TraceError) -> Captured:
+    """:func:`export_module` where symbolic_trace failed with ``fx_error`` (or gave a graph that does not
+    run); a :class:`TraceError` naming both failures if export fails too."""
+    try:
+        return export_module(model, call)
+    except TraceError as export_error:
+        raise TraceError(
+            f"fxplan could not capture {type(model).__name__}.\n"
+            f"- torch.fx.symbolic_trace: {fx_error}\n- torch.export (non-strict): {export_error}"
+        ) from export_error
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,7 +350,7 @@ def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
             node.target = name
     gm = owning_graph_module(model, graph, constants)
     gm.graph.lint()
-    return Captured(gm, "torch.export", interface)
+    return _captured(model, gm, "torch.export", interface)
 
 
 def _without_objects(value: Any) -> Any:
@@ -450,8 +454,6 @@ def owning_graph_module(model: torch.nn.Module, graph: fx.Graph, constants: dict
         gm.__dict__.pop(name, None)
         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
             gm.register_buffer(name, value, persistent=False)
-        elif isinstance(value, torch.nn.Module):
-            gm.__dict__[name] = value  # a stateless graph body (e.g. a no_grad region): not a submodule
-        else:
+        else:  # a plain attribute; a module here is a stateless graph body (a no_grad region), not a submodule
             gm.__dict__[name] = value
     return gm

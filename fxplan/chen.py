@@ -155,15 +155,6 @@ def greedy_plans(cg: CostGraph, memory_model=None) -> list[Plan]:
                             seconds=time.perf_counter() - t0) for ch in chains]
 
 
-def _subgraph(cg: CostGraph, nodes: list[str]) -> CostGraph:
-    sub = CostGraph()
-    for v in nodes:
-        sub.add_node(v, **cg.nodes[v])
-    keep = set(nodes)
-    sub.add_edges_from((u, w) for u, w in cg.edges(nodes) if w in keep)
-    return sub
-
-
 def _recursive(cg: CostGraph, memory_model, budget: int | None, t0: float) -> Plan:
     ix = GraphIndex.build(cg)
     bm = get_model(memory_model).bind(ix)
@@ -178,7 +169,7 @@ def _recursive(cg: CostGraph, memory_model, budget: int | None, t0: float) -> Pl
     peak, rec = 0, plan.segment_T[0]
     for i, Lp in enumerate(chain):
         seg = ix.names_of(Lp & ~prev)
-        child = _recursive(_subgraph(cg, seg), memory_model, None, t0)
+        child = _recursive(cg.subgraph_on(seg), memory_model, None, t0)
         plan.children[str(i)] = child
         _, G, _ = bm.transition(prev, Lp)
         # the child's own prediction covers the segment's saved values and internal gradients; add the

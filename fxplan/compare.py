@@ -38,12 +38,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from fxplan import peers
 from fxplan.console import Progress, filter_native_logs
-from fxplan.measure import fake_copy, fake_mode_of, measure_step, profiled_step_peak, resident_bytes
+from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.measure import measure_step, profiled_step_peak, resident_bytes
 from fxplan.methods import Context, Method, MethodTimeout, default_methods, real_copy
 from fxplan.timing import MIN_STEP_SECONDS, batch_for_step, fixed_threads, time_interleaved, training_step
 
@@ -122,7 +122,7 @@ def count_flops(module: torch.nn.Module, fake_inputs: tuple, loss_fn) -> tuple[i
     """(forward FLOPs, whole-step FLOPs) of one step of ``module`` on fake inputs; nothing is allocated."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    mode = next(x.fake_mode for x in tree_leaves(fake_inputs) if isinstance(x, FakeTensor))
+    mode = fake_mode_of(module, fake_inputs)
     fake_module = fake_copy(module, mode)
     counter = FlopCounterMode(display=False)
     with mode, counter:
@@ -201,8 +201,7 @@ def compare_network(
     mode = fake_mode_of(model, ())  # the model's own fake mode, if its parameters are fake already
     with mode:
         paper_inputs = make_inputs(batch, input_size)
-    paper_inputs = tuple(tree_map(lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor)
-                                  and not isinstance(x, FakeTensor) else x, list(paper_inputs)))
+    paper_inputs = to_fake(tuple(paper_inputs), mode)
     small_inputs = None
     if real_steps:
         small_inputs = tuple(tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x,

@@ -49,6 +49,19 @@ class CostGraph(nx.DiGraph):
             raise ValueError("a cost graph must be acyclic")
         return cg
 
+    def subgraph_on(self, nodes: Iterable[str]) -> CostGraph:
+        """A new cost graph of ``nodes`` (in the order given, node attributes copied) and the edges among
+        them: what a segment's own plan is solved on (Chen et al.'s recursion, nested plans). Graph and
+        edge attributes are not copied, so an order-only edge counts as a data edge there (its memory
+        model sees one reader more than there is)."""
+        nodes = list(nodes)
+        sub = CostGraph()
+        for v in nodes:
+            sub.add_node(v, **self.nodes[v])
+        keep = set(nodes)
+        sub.add_edges_from((u, w) for u, w in self.edges(nodes) if w in keep)
+        return sub
+
     def topo_order(self) -> list[str]:
         """Nodes in a topological order; the order of insertion (program order) where it is one."""
         order = list(self.nodes)

@@ -161,6 +161,11 @@ def _aten_view_source(node: fx.Node) -> fx.Node | None:
                                                                                & returned))
     if pos is None and torch.Tag.maybe_aliasing_or_mutating in op.tags and node.args:
         pos = ("arg", 0)
+    return _node_at(node, pos)
+
+
+def _node_at(node: fx.Node, pos: tuple[str, int | str] | None) -> fx.Node | None:
+    """The node passed at ``pos`` (``("arg", i)`` or ``("kwarg", name)``) of ``node``'s call, or None."""
     if pos is None:
         return None
     kind, key = pos
@@ -208,12 +213,7 @@ _cached_signature = functools.lru_cache(maxsize=None)(_signature_uncached)
 
 def mutated_arg(node: fx.Node, gm: torch.nn.Module) -> fx.Node | None:
     """The node whose value ``node`` overwrites in place, or None (see :func:`mutated_position`)."""
-    pos = mutated_position(node, gm)
-    if pos is None:
-        return None
-    kind, key = pos
-    value = node.args[key] if kind == "arg" else node.kwargs.get(key)  # type: ignore[index]
-    return value if isinstance(value, fx.Node) else None
+    return _node_at(node, mutated_position(node, gm))
 
 
 def view_source(node: fx.Node, gm: torch.nn.Module) -> fx.Node | None:

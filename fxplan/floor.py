@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_leaves
 
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
-from fxplan.measure import default_loss, existing_grads, fake_copy, fake_mode_of, to_fake
+from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.measure import default_loss, existing_grads
 
 
 @dataclass

@@ -89,10 +89,6 @@ class BufferGuard:
         self.mutated = sorted(known | set(found))
         return [self.slots[i][0] for i in found]
 
-    def _buffer(self, i: int) -> torch.Tensor:
-        _, mod, name = self.slots[i]
-        return mod._buffers[name]
-
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """``context_fn`` for checkpoint: nothing around the forward, the guard around recomputation."""
         return contextlib.nullcontext(), self._recomputing()

@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan import effects
-from fxplan.capture import as_call
+from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 from fxplan.measure import default_loss, resident_bytes
@@ -88,7 +88,7 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
             params += gm.get_submodule(str(node.target)).parameters()
         for u in node.all_input_nodes:
             if u.op == "get_attr":
-                value = _attr(gm, str(u.target))
+                value = resolve_attr(gm, str(u.target))
                 if isinstance(value, torch.nn.Parameter):
                     params.append(value)
         param_grads[node.name] = tuple((id(p), p.numel() * p.element_size()) for p in params if p.requires_grad)
@@ -194,13 +194,6 @@ class _GradientProbe(fx.Interpreter):
         self.outputs[n.name] = {t.grad_fn for t in tree_leaves(out)
                                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
         return out
-
-
-def _attr(gm: torch.nn.Module, target: str) -> object:
-    obj: object = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom, None)
-    return obj
 
 
 @dataclass

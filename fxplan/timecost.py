@@ -7,9 +7,10 @@ gives T in microseconds of forward time (a plan recomputes forward ops only; the
 whatever the plan, so its time does not enter the objective):
 
 * ``"roofline"``: ``flops / peak FLOP/s + bytes moved / bandwidth + ATen ops × per-op overhead``. The
-  three device constants are measured once per device and thread count by :func:`device_speed` (a
-  float32 matrix product, a large copy and a tiny addition; well under a second) and cached for the
-  process. Works on fake tensors, so planning a model far larger than the machine still gets seconds.
+  three device constants are measured once per machine, device and thread count by :func:`device_speed`
+  (a float32 matrix product, a large copy and a tiny addition; well under a second) and kept in a
+  cache file, so every process on the machine plans with the same costs. Works on fake tensors, so
+  planning a model far larger than the machine still gets seconds.
   Bytes moved are counted per ATen op (:class:`ByteCounter`): the bytes of its tensor inputs plus the
   bytes of the outputs it writes; pure views move nothing.
 * ``"measured"``: the node's forward run on real random tensors of its shapes on its device (one
@@ -24,10 +25,15 @@ far below any node's cost; :data:`T_SECONDS` converts.
 from __future__ import annotations
 
 import copy
+import json
+import logging
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan.effects import written_arguments
+
+logger = logging.getLogger("fxplan")
 
 #: Seconds per unit of T under the time models of this module (T is in microseconds).
 T_SECONDS = 1e-6
@@ -63,17 +71,58 @@ class DeviceSpeed:
         return flops / self.flops_per_s + bytes_moved / self.bytes_per_s + ops * self.op_seconds
 
 
-_SPEEDS: dict[tuple[str, int], DeviceSpeed] = {}
+_SPEEDS: dict[str, DeviceSpeed] = {}
+
+#: Environment variable naming the folder of fxplan's cache files (default: ``~/.cache/fxplan``).
+CACHE_DIR_ENV = "FXPLAN_CACHE_DIR"
 
 
 def device_speed(device: torch.device | str = "cpu") -> DeviceSpeed:
-    """The measured :class:`DeviceSpeed` of ``device`` at the current ``torch.get_num_threads()``,
-    benchmarked on first use and cached for the process."""
+    """The measured :class:`DeviceSpeed` of ``device`` at the current ``torch.get_num_threads()``.
+
+    Benchmarked once per machine, device, thread count and torch version, and kept in
+    ``device_speed.json`` in the cache folder (:data:`CACHE_DIR_ENV`): a benchmark taken while other jobs
+    run varies by 2x or more, and roofline costs that moved between processes would make one budget get
+    different plans from one run to the next. Delete the file to measure again.
+    """
     device = torch.device(device)
-    key = (str(device), torch.get_num_threads())
+    key = _machine_key(device)
     if key not in _SPEEDS:
-        _SPEEDS[key] = _benchmark(device)
+        stored = _read_cache()
+        if key in stored:
+            _SPEEDS[key] = DeviceSpeed(**stored[key])
+        else:
+            _SPEEDS[key] = _benchmark(device)
+            _write_cache({**stored, key: asdict(_SPEEDS[key])})
     return _SPEEDS[key]
+
+
+def _machine_key(device: torch.device) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return f"{device} {name} cpus={os.cpu_count()} threads={torch.get_num_threads()} torch={torch.__version__}"
+
+
+def _cache_file() -> Path:
+    folder = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fxplan"
+    return Path(folder) / "device_speed.json"
+
+
+def _read_cache() -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(speeds: dict[str, dict[str, Any]]) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(speeds, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: the figures stay cached for this process only
+        logger.debug("could not write %s: %s", path, exc)
 
 
 def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -106,13 +155,13 @@ def _benchmark(device: torch.device) -> DeviceSpeed:
 
 def _matmul_flops_per_s(device: torch.device, n: int) -> float:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device, 5)
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), device, 20)
 
 
 def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
     src = torch.empty(nbytes // 4, device=device).uniform_()
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, 5)
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, 20)
 
 
 # ---------------------------------------------------------------------------------------- bytes moved

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxplan.capture import Captured, ExampleCall, as_call, capture, export_module, symbolic_trace_module
+from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after, symbolic_trace_module
 from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges, written_arguments
 from fxplan.errors import FxplanError, TraceError
@@ -100,11 +100,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
             raise
         # symbolic_trace can give a graph that does not run (a shape frozen into an assertion): try export.
         logger.info("fxplan: the symbolic_trace graph does not run (%s); capturing with torch.export", error)
-        try:
-            captured = export_module(model, call)
-        except TraceError as export_error:
-            raise TraceError(f"fxplan could not capture {type(model).__name__}.\n- torch.fx.symbolic_trace: "
-                             f"{error}\n- torch.export (non-strict): {export_error}") from export_error
+        captured = export_after(model, call, error)
         propagator = _propagate(model, captured, call)
     gm = captured.gm
     for node in gm.graph.nodes:

@@ -82,6 +82,16 @@ def assert_rewrite_exact(model: torch.nn.Module, inputs: Any, budget_gb: float |
     return opt
 
 
+def assert_rewrite_exact_at_two_budgets(model: torch.nn.Module, inputs: Any) -> torch.nn.Module:
+    """:func:`assert_rewrite_exact` at the smallest peak fxplan reaches (budget None), then halfway from that
+    peak to the vanilla peak (the budgets of :func:`middle_budget_gb`, without searching for the smallest
+    peak twice); returns the first rewrite. ``model`` must be in train mode without ``.grad``."""
+    vanilla = fxplan.measure_step(model, inputs, fake=True, loss_fn=loss_of).peak_bytes  # before steps add .grad
+    opt = assert_rewrite_exact(model, inputs, None)
+    assert_rewrite_exact(model, inputs, (opt.fxplan_measured_peak_bytes + vanilla) / 2 / 2**30)
+    return opt
+
+
 def middle_budget_gb(model: torch.nn.Module, inputs: Any) -> tuple[float, float]:
     """(smallest measured peak fxplan reaches, halfway to the vanilla peak), in GiB."""
     smallest = fxplan.rewrite(model, None, example_inputs=inputs, loss_fn=loss_of).fxplan_measured_peak_bytes

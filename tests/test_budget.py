@@ -213,8 +213,6 @@ def test_no_recomputation_when_it_saves_nothing_measurable():
 
 def test_chen_honours_its_budget(resnet, batch, smallest):
     _, vanilla = smallest
-    # Chen's minimum is its own: each solver's search (nested plans included) may end at another local
-    # optimum, so it is not compared with the DP's
     chen_low = fxplan.min_budget_bytes(resnet, batch, solver="chen")
     previous = None
     for budget in (chen_low, (chen_low + vanilla) // 2, vanilla):
@@ -226,6 +224,17 @@ def test_chen_honours_its_budget(resnet, batch, smallest):
             assert plan.recompute_fraction < previous
         previous = plan.recompute_fraction
     assert previous == 0.0  # at the vanilla peak Chen's grid reaches the single segment
+
+
+def test_the_dp_solvers_reach_at_least_as_low_as_chens_plans(resnet, batch, smallest):
+    # their candidates include Chen's plans, and their nested search also starts from Chen's smallest
+    low, _ = smallest
+    chen_low = fxplan.min_budget_bytes(resnet, batch, solver="chen")
+    assert low <= chen_low
+    assert fxplan.min_budget_bytes(resnet, batch, solver="exact") <= chen_low
+    with pytest.raises(BudgetError, match="including Chen's") as info:
+        fxplan.rewrite(resnet, budget_bytes=low - 1, example_inputs=batch, solver="exact")
+    assert info.value.min_feasible_bytes <= chen_low
 
 
 def test_budget_arguments_are_checked(resnet, batch):

@@ -100,21 +100,21 @@ def test_bad_sub_plans_are_rejected():
 
 
 class Chain(nn.Module):
-    """conv-relu-conv-relu-pool, then a smaller block: the canonical floor keeps the first activation for
-    the second conv's backward while the second ReLU's backward runs (VGG-19's first block)."""
+    """``convs`` times conv-relu, pool, then a smaller block: the canonical floor keeps the first
+    activation for the second conv's backward while the second ReLU's backward runs (VGG-19's first
+    block)."""
 
-    def __init__(self):
+    def __init__(self, convs: int = 2, width: int = 16):
         super().__init__()
-        self.c1, self.c2, self.c3 = nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), \
-            nn.Conv2d(16, 16, 3, padding=1)
-        self.r1, self.r2, self.r3 = nn.ReLU(inplace=True), nn.ReLU(inplace=True), nn.ReLU(inplace=True)
-        self.pool1, self.pool2 = nn.MaxPool2d(2), nn.MaxPool2d(4)
-        self.head = nn.Linear(16 * 4 * 4, 10)
+        layers = []
+        for i in range(convs):
+            layers += [nn.Conv2d(3 if i == 0 else width, width, 3, padding=1), nn.ReLU(inplace=True)]
+        self.first = nn.Sequential(*layers, nn.MaxPool2d(2))
+        self.second = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(4))
+        self.head = nn.Linear(width * 4 * 4, 10)
 
     def forward(self, x):
-        x = self.pool1(self.r2(self.c2(self.r1(self.c1(x)))))
-        x = self.pool2(self.r3(self.c3(x)))
-        return self.head(x.flatten(1))
+        return self.head(self.second(self.first(x)).flatten(1))
 
 
 def test_nesting_drops_a_value_inside_a_backward():
@@ -136,8 +136,9 @@ def test_nesting_drops_a_value_inside_a_backward():
 
 def test_search_goes_below_the_canonical_plans_and_trains_exactly():
     """On a VGG-like chain the nested search lowers the smallest measured peak; a budget between the
-    nested and the canonical peaks, refused before, gets a nested plan that fits and trains exactly."""
-    model = Chain()
+    nested and the canonical peaks, refused before, gets a nested plan that fits and trains exactly.
+    (With two convolutions in the first block one of Chen's plans already reaches the nested peak.)"""
+    model = Chain(convs=3)
     x = (torch.randn(16, 3, 32, 32),)
     from fxplan.search import Search
     from fxplan.trace import trace

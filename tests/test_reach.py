@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reach_checks import assert_rewrite_exact, loss_of, middle_budget_gb
+from reach_checks import assert_rewrite_exact, assert_rewrite_exact_at_two_budgets, loss_of, middle_budget_gb
 
 import fxplan
 from fxplan.capture import capture
@@ -75,10 +75,8 @@ class LogitsOnly(nn.Module):
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5", "vit"])
 def test_transformers_rewritten_exactly_at_two_budgets(family, attn):
     model, inputs = hf_model(family, attn)
-    smallest, middle = middle_budget_gb(model, inputs)
-    opt = assert_rewrite_exact(model, inputs, None)
+    opt = assert_rewrite_exact_at_two_budgets(model, inputs)
     assert len(opt.fxplan_segments) > 1
-    assert_rewrite_exact(model, inputs, middle)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
@@ -102,9 +100,7 @@ def test_timm_rewritten_exactly_at_two_budgets(name):
     except TypeError:
         model = timm.create_model(name, pretrained=False, num_classes=5, drop_rate=0.1)
     x = (torch.randn(2, 3, 64, 64),)
-    _, middle = middle_budget_gb(model, x)
-    assert_rewrite_exact(model, x, None)
-    assert_rewrite_exact(model, x, middle)
+    assert_rewrite_exact_at_two_budgets(model, x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,10 +156,8 @@ class StatefulNet(nn.Module):
 def test_buffers_updated_once_whatever_the_module_class():
     model = StatefulNet()
     x = (torch.randn(4, 3, 16, 16),)
-    smallest, middle = middle_budget_gb(model, x)
-    opt = assert_rewrite_exact(model, x, None)
+    opt = assert_rewrite_exact_at_two_budgets(model, x)
     assert len(opt.fxplan_segments) > 2
-    assert_rewrite_exact(model, x, middle)
 
 
 def test_keyword_inputs_and_other_calls_run_the_original():

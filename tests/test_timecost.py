@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -40,6 +42,20 @@ def test_bytes_moved_per_aten_op():
     with FakeTensorMode() as mode, ByteCounter() as c:
         mode.from_tensor(x) + 1
     assert c.bytes_moved == 8000                 # counted on fake tensors alike
+
+
+def test_device_speed_is_measured_once_per_machine(tmp_path, monkeypatch):
+    """The figures are read back from the cache file, so every process plans with the same costs."""
+    from fxplan import timecost
+
+    monkeypatch.setenv(timecost.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(timecost, "_SPEEDS", {})
+    measured = device_speed("cpu")
+    assert (tmp_path / "device_speed.json").exists()
+    planted = timecost.DeviceSpeed("cpu", 1e9, 2e9, 3e-6, measured.threads)
+    timecost._write_cache({timecost._machine_key(torch.device("cpu")): dataclasses.asdict(planted)})
+    monkeypatch.setattr(timecost, "_SPEEDS", {})  # a new process
+    assert device_speed("cpu") == planted
 
 
 def test_roofline_prices_memory_bound_ops():

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
+from reach_checks import assert_rewrite_exact
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
@@ -125,3 +126,25 @@ def test_tracing_is_deterministic():
     first, second = trace(model, (x,)), trace(model, (x,))
     assert list(first.nodes(data=True)) == list(second.nodes(data=True))
     assert list(first.edges(data=True)) == list(second.edges(data=True))
+
+
+class ShapeFrozenUnderTrace(nn.Module):
+    """symbolic_trace gives a graph that does not run (code that takes another path on a Proxy, as a shape
+    baked in at trace time would): trace() falls back to torch.export."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = torch.relu(self.a(x))
+        if isinstance(y, torch.fx.Proxy):
+            y = y.view(7, -1)
+        return {"out": self.b(y)}
+
+
+def test_export_fallback_of_a_graph_that_does_not_run_keeps_the_call_interface():
+    model, x = ShapeFrozenUnderTrace(), (torch.randn(4, 8),)
+    assert trace(model, x).graph["captured"].method == "torch.export"
+    # the rewrite returns the model's own output type and runs the original forward in eval mode
+    assert_rewrite_exact(model, x, None)
