@@ -240,19 +240,19 @@ def symbolic_trace_module(model: torch.nn.Module) -> fx.GraphModule:
 
 
 def _restore(buffers: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[str]:
-    """Put back every buffer whose value changed; return their names.
+    """Put back every buffer whose value changed; return the names of those updated in place.
 
-    Fake and meta buffers have no values to compare or restore: an in-place update shows in their
-    version counter instead (Python code that updates a buffer, which is what tracing runs, bumps it).
+    An in-place update shows in the buffer's version counter (Python code that updates a buffer, which is
+    what tracing runs, bumps it), also where it leaves the value as it was (``mean.mul_(0.9)`` on zeros)
+    and on fake and meta buffers, which have no values to compare or restore.
     """
     changed = []
     with torch.no_grad():
         for name, (buf, version, saved) in buffers.items():
-            if saved is None:
-                if buf._version != version:
-                    changed.append(name)
-            elif not torch.equal(buf, saved):
+            if saved is not None and not torch.equal(buf, saved):
                 buf.copy_(saved)
+                changed.append(name)
+            elif buf._version != version:
                 changed.append(name)
     return changed
 

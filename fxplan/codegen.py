@@ -288,10 +288,20 @@ class _Rewrite:
                 continue
             pos = {v: i for i, v in enumerate(self.graph.nodes)}
             roots = self.roots()
-            if roots[a].op == "get_attr":
-                continue  # a module attribute updated in place: the buffer guard's business
             members = [m for m in self.graph.nodes if roots[m] is roots[a]]
             s = self.seg_of(n)
+            if roots[a].op == "get_attr":
+                # A module attribute (a buffer) updated in place: the buffer guard's business, unless a
+                # recomputed segment takes a value of it from another segment. Checkpoint holds that value
+                # for the recomputation, and state cannot be given a private copy.
+                computed = [m for m in members if m.op != "get_attr"]
+                if self._read_by_recompute(computed, s):
+                    raise FxplanError(
+                        f"in-place op {n.name!r} (segment {s}) updates {roots[a].target!r}, a module attribute "
+                        "that a recomputed segment takes from another segment; keep the attribute's in-place "
+                        "updates in one segment with the ops that read them"
+                    )
+                continue
             if not (self._read_by_recompute(members, s) or self._reordered(members, n, pos)):
                 continue
             self._copy_operand(n, a, where, members, pos)

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from fxplan.capture import ExampleCall, capture
+from fxplan.capture import ExampleCall, capture, symbolic_trace_module
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.errors import FxplanError
 from fxplan.measure import GiB, measure_step
 from fxplan.planning import budget_to_bytes, check_choices
 from fxplan.plans import Plan
 from fxplan.search import Search
-from fxplan.trace import trace, trace_module
+from fxplan.trace import trace
 
 logger = logging.getLogger("fxplan")
 
@@ -58,7 +58,7 @@ def rewrite(
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
     if plan is not None:
-        gm = trace_module(model) if example_inputs is None else capture(model, example_inputs).gm
+        gm = symbolic_trace_module(model) if example_inputs is None else capture(model, example_inputs).gm
         module = segment_module(gm, plan.segments, plan.children)
         measured = None
         if example_inputs is not None:

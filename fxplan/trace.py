@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after, symbolic_trace_module
+from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after
 from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges, written_arguments
 from fxplan.errors import FxplanError, TraceError
@@ -62,11 +62,6 @@ _MODULE_KINDS = {
     torch.nn.Embedding: "embedding",
     torch.nn.LSTM: "lstm",
 }
-
-
-def trace_module(model: torch.nn.Module) -> torch.fx.GraphModule:
-    """``symbolic_trace`` at module granularity (see :mod:`fxplan.capture`), raising :class:`TraceError`."""
-    return symbolic_trace_module(model)
 
 
 #: What ``trace`` accepts as ``cost_model``.

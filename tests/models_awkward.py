@@ -133,6 +133,21 @@ def _x(*shape):
     return lambda: (torch.randn(*shape),)
 
 
+class RunningMean(nn.Module):
+    """Keeps a running mean in a buffer, updated in place in two steps; the first leaves its initial zeros
+    as they are, so only the buffer's version counter shows that tracing ran it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(3))
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x):
+        m = self.mean.mul_(0.9)
+        m = m.add_(0.1 * x.detach().mean(0))
+        return torch.tanh(self.l(x) - m).sum()
+
+
 AWKWARD = {
     "multi_in_out": (MultiInOut, lambda: (torch.randn(5, 8), torch.randn(5, 4))),
     "tied": (Tied, _x(5, 10)),

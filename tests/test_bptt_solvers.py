@@ -121,17 +121,100 @@ def test_matches_brute_force(policy, alpha, beta):
     for t in (1, 7, 24):
         for m in (1, 3, 14):
             assert optimal_cost(policy, t, m, alpha=alpha, beta=beta) == C(t, m)
+    # the plain scan, the reference of test_solvers_give_the_plain_scans_tables, agrees with the recursion
+    use_hidden, a, b = {"hsm": (True, None, None), "ism": (False, 1, 1)}.get(policy, (True, alpha, beta or alpha))
+    np.testing.assert_array_equal(plain_scan(T, M, use_hidden, a, b)[0][:, 1:], want[:, 1:].astype(np.int64))
 
 
-@pytest.mark.parametrize("args", [(True, None, None), (False, 1, 1), (True, 3, 2), (True, 5, 4)])
-def test_convexity_walk_gives_the_scans_tables(args):
-    """The O(1)-per-entry walk (where the columns are convex) gives the exhaustive scan's C, D and H."""
+def plain_scan(T: int, M: int, use_hidden: bool, alpha: int | None, beta: int | None):
+    """C, D, H by scanning every position of eqs. (1), (4), (6)-(10) with no bound, vectorised over m and y.
+
+    Ties go to the first candidate in the order hidden y = 1, internal y = 1, hidden y = 2 .. t - 1,
+    internal y = 2 .. t - 1, working step y = t (the paper's Algorithm 1 keeps the first minimum).
+    """
+    big = 1 << 60
+    C = np.full((T + 1, M + 1), big, dtype=np.int64)  # C[t, m], m = 0 infeasible
+    C[0, :] = 0
+    D = np.zeros((T + 1, M + 1), dtype=np.int64)
+    H = np.zeros((T + 1, M + 1), dtype=np.int8)
+    m = np.arange(1, M + 1)
+    for t in range(1, T + 1):
+        vals, ys, kinds = [], [], []
+        y = np.arange(2, t)  # positions 2 .. t - 1
+        if use_hidden and t > 1:
+            vals.append(1 + C[1, m] + np.where(m - 1 >= 1, C[t - 1, np.maximum(m - 1, 0)], big))
+            ys.append(np.ones(M, dtype=np.int64)), kinds.append(HIDDEN)
+        if alpha is not None and t > 1:
+            vals.append(1 + np.where(m - beta >= 1, C[t - 1, np.maximum(m - beta, 0)], big))
+            ys.append(np.ones(M, dtype=np.int64)), kinds.append(INTERNAL)
+        for kind, shift, lag, on in ((HIDDEN, 1, 0, use_hidden), (INTERNAL, alpha, 1, alpha is not None)):
+            if on and len(y):
+                mb = m[:, None] - shift
+                q = y + C[y - lag][:, m].T + np.where(mb >= 1, C[t - y][:, np.maximum(m - shift, 0)].T, big)
+                j = np.argmin(q, axis=1)
+                vals.append(q[np.arange(M), j]), ys.append(y[j]), kinds.append(kind)
+        vals.append(t + C[t - 1, m]), ys.append(np.full(M, t)), kinds.append(INTERNAL)
+        k = np.argmin(np.array(vals), axis=0)
+        C[t, m] = np.minimum(np.array(vals)[k, np.arange(M)], big)
+        D[t, m] = np.array(ys)[k, np.arange(M)]
+        H[t, m] = np.array(kinds)[k]
+    return C, D, H
+
+
+def _cases():
+    """(T, M, use_hidden, alpha, beta): HSM, ISM and MSM, including beta < alpha and alpha = 1."""
+    fixed = [(260, 60, True, None, None), (200, 45, False, 1, 1), (300, 70, True, 5, 4), (257, 90, True, 3, 2),
+             (150, 150, True, 2, 1), (240, 30, True, 7, 7), (120, 200, True, 1, 1), (33, 17, True, 5, 4),
+             (3, 5, True, 2, 2), (18, 1, True, 3, 3)]
+    rng = np.random.default_rng(2016)
+    rand = []
+    for _ in range(14):
+        alpha = int(rng.integers(1, 9))
+        beta = int(rng.integers(1, alpha + 1))
+        rand.append((int(rng.integers(3, 320)), int(rng.integers(1, 130)), True, alpha, beta))
+    return fixed + rand
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: "T{}-M{}-{}-{}-{}".format(*c))
+def test_solvers_give_the_plain_scans_tables(case):
+    """Every method (hull-certified windows, convexity walk, bounded scan) gives the plain scan's C, D and H,
+    ties included, also where the columns are not convex (MSM)."""
     from fxplan.bptt.solvers import _solve_dp
 
-    for T, M in ((200, 40), (120, 90)):
-        walked, scanned = _solve_dp(T, M, *args), _solve_dp(T, M, *args, walk=False)
-        for a, b in zip(walked, scanned):
-            np.testing.assert_array_equal(a, b)
+    T, M = case[:2]
+    want = plain_scan(*case)
+    for method in ("hull", "walk", "scan"):
+        got = _solve_dp(*case, method=method)
+        for name, a, b in zip("CDH", got, want):
+            np.testing.assert_array_equal(a[:, 1:], b[:, 1:], err_msg=f"{method} {name}")
+
+
+def test_msm_columns_are_not_convex():
+    """Why MSM needs more than appendix A's convexity walk: its columns have negative second differences
+    (so the hull method's proof, not convexity, is what makes its windows exact)."""
+    C = solve("msm", 1000, 100, alpha=5, beta=4).C.astype(np.int64)
+    second = C[2:, 1:] - 2 * C[1:-1, 1:] + C[:-2, 1:]
+    assert ((second < 0).any(axis=0)).sum() >= 90
+    hsm = solve("hsm", 400, 40).C.astype(np.int64)
+    assert (hsm[2:, 1:] - 2 * hsm[1:-1, 1:] + hsm[:-2, 1:] >= 0).all()
+
+
+def test_hull_method_large_msm_matches_scan():
+    """Long sequences, where most positions are proven away rather than evaluated."""
+    from fxplan.bptt.solvers import _solve_dp
+
+    for a, b in zip(_solve_dp(1500, 60, True, 5, 4, method="hull"), _solve_dp(1500, 60, True, 5, 4, method="scan")):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_solver_method_errors():
+    from fxplan.bptt.hull_dp import T_LIMIT, solve_tables
+    from fxplan.bptt.solvers import _solve_dp
+
+    with pytest.raises(FxplanError, match="unknown BPTT solver method"):
+        _solve_dp(10, 3, True, 2, 2, method="fast")
+    with pytest.raises(FxplanError, match="method='walk'"):
+        solve_tables(T_LIMIT + 1, 3, True, 2, 2)
 
 
 def test_upper_bound_appendix_b():

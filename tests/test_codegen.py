@@ -14,6 +14,7 @@ import torchvision
 from models_awkward import (
     BNNet,
     InplaceZoo,
+    RunningMean,
     assert_same_training,
     chunks,
     compute_names,
@@ -22,6 +23,7 @@ from models_awkward import (
 from torch import nn
 
 import fxplan.recompute
+from fxplan.capture import capture
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.effects import ordering_edges
 from fxplan.errors import FxplanError
@@ -334,6 +336,22 @@ def test_buffer_mutated_by_a_recomputed_module_is_updated_once():
         step(opt, (x,))
         step(opt, (x,))
     assert int(opt.counter.steps) == 3
+
+
+def test_rejects_a_buffer_update_split_from_the_recomputed_segment_that_reads_it():
+    # segment 0 is the first in-place update alone; recomputed segment 1 takes the buffer from it and updates it
+    # again in place: checkpoint would hold a value the step then overwrites (autograd fails in backward)
+    torch.manual_seed(0)
+    model, x = RunningMean(), (torch.randn(4, 3),)
+    reference = copy.deepcopy(model)
+    gm = capture(model, x).gm  # torch.export: symbolic_trace would run the first update in Python
+    names = compute_names(gm)
+    assert names[0] == "mul_"
+    cut = names.index("add_")
+    with pytest.raises(FxplanError, match="module attribute"):
+        segment_module(gm, [names[:1], names[1:cut + 1], names[cut + 1:]])
+    opt = segment_module(gm, [names[:cut + 1], names[cut + 1:]])  # the updates in one segment: accepted
+    assert_same_training(reference, opt, x)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
+from models_awkward import RunningMean
 from reach_checks import assert_rewrite_exact
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -148,3 +149,10 @@ def test_export_fallback_of_a_graph_that_does_not_run_keeps_the_call_interface()
     assert trace(model, x).graph["captured"].method == "torch.export"
     # the rewrite returns the model's own output type and runs the original forward in eval mode
     assert_rewrite_exact(model, x, None)
+
+
+def test_a_buffer_update_that_leaves_the_value_as_it_was_is_not_lost_by_tracing():
+    # symbolic_trace runs ``mean.mul_(0.9)`` on the zeros in Python and would leave it out of the graph
+    model, x = RunningMean(), (torch.randn(4, 3),)
+    assert trace(model, x).graph["captured"].method == "torch.export"
+    assert_rewrite_exact(model, x, None)  # the running mean decays in every step, as in the original

@@ -24,12 +24,15 @@ Memory units and what the DP guarantees (checked by :mod:`fxplan.bptt.schedule`)
                  when its input hidden state is already stored (y = 1). Stored states count, the working
                  one does not (as in HSM), so ``C(t, 1) = t(t+1)/2`` and ``C(t, m >= alpha*t) = t``.
 
-The rows are computed one sequence length ``t`` at a time, vectorised over all memory sizes with numpy.
-Positions ``2 <= y < t``: where the columns ``C(., m)`` involved are convex in ``t`` (HSM and ISM; checked
-as the rows fill, not assumed) the cost is convex in ``y`` and its smallest minimiser never decreases with
-``t``, so a walk from the previous minimiser finds it in O(1) amortised steps (the speed-up the paper's
-appendix A mentions). Elsewhere (MSM, whose columns are not convex) every position is scanned, bounded by
-``Q >= t + y - 1`` with the best ``y = 1`` choice as upper bound.
+The rows are computed one sequence length ``t`` at a time, vectorised over all memory sizes with numpy,
+by one of three methods that give identical tables (:func:`_solve_dp`). Positions ``2 <= y < t``: where
+the columns ``C(., m)`` involved are convex in ``t`` (HSM and ISM; checked as the rows fill, not assumed)
+the cost is convex in ``y`` and its smallest minimiser never decreases with ``t``, so a walk from the
+previous minimiser finds it in O(1) amortised steps (the speed-up the paper's appendix A mentions;
+:func:`_solve_walk`). MSM's columns are not convex, so for MSM a window of positions is evaluated exactly
+and the columns' lower convex hulls prove that no other position does better (:mod:`fxplan.bptt.hull_dp`).
+The reference scans every position, bounded by ``Q >= t + y - 1`` with the best ``y = 1`` choice as upper
+bound.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import math
 
 import numpy as np
 
+from fxplan.bptt.hull_dp import T_LIMIT, cost_table, solve_tables
 from fxplan.bptt.policy import HIDDEN, INF, INTERNAL, POLICIES, Policy
 from fxplan.bptt.schedule import simulate
 from fxplan.errors import BudgetError, FxplanError
@@ -113,7 +117,7 @@ def _walk(flat, width: int, rows: np.ndarray, shift: int, lag: int, t: int, star
           ) -> tuple[np.ndarray, np.ndarray]:
     """Smallest minimiser over y in [start, t - 1] of y + C(y - lag, m) + C(t - y, m - shift) for CT rows
     ``rows`` (= pad + m), walking right while the next position is strictly better: exact when that
-    function is convex in y (see :func:`_solve_dp`). Returns (y, value)."""
+    function is convex in y (see :func:`_solve_walk`). Returns (y, value)."""
     y = start.copy()
     a_rows, b_rows = rows * width, (rows - shift) * width
     f = y + flat[a_rows + y - lag] + flat[b_rows + t - y]
@@ -129,26 +133,23 @@ def _walk(flat, width: int, rows: np.ndarray, shift: int, lag: int, t: int, star
     return y, f
 
 
-def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None, walk: bool = True):
+def _solve_walk(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None,
+                walk: bool = True):
     """Fill C, D, H for the generic two-choice recurrence; see the module docstring.
 
     ``alpha is None`` disables internal pushes except the working step y = t (HSM).
 
-    Positions y = 2 .. t - 1 (the convexity speed-up): Q1(y) = y + A(y) + B(t - y) with A = C(., m) and
-    B = C(., m - 1) (for Q2, A(y) = C(y - 1, m), B = C(., m - alpha)). Where both columns are convex in t
-    (checked as the rows are filled, not assumed), Q is convex in y, so a walk right from any y at or below
-    the smallest minimiser finds it; and that minimiser never decreases with t (for y below the one at
-    t - 1, Q_t(y) - Q_t(y*) = Q_{t-1}(y) - Q_{t-1}(y*) + ΔB(t - y) - ΔB(t - y*) > 0 as ΔB does not
+    Positions y = 2 .. t - 1 (the convexity speed-up of appendix A): Q1(y) = y + A(y) + B(t - y) with
+    A = C(., m) and B = C(., m - 1) (for Q2, A(y) = C(y - 1, m), B = C(., m - alpha)). Where both columns
+    are convex in t (checked as the rows are filled, not assumed), Q is convex in y, so a walk right from
+    any y at or below the smallest minimiser finds it; and that minimiser never decreases with t (for y
+    below the one at t - 1, Q_t(y) - Q_t(y*) = Q_{t-1}(y) - Q_{t-1}(y*) + ΔB(t - y) - ΔB(t - y*) > 0 as ΔB does not
     decrease). So each (t, m) costs O(1) amortised instead of O(t). Rows whose columns are not convex
     so far fall back to the exhaustive scan, so the tables are exact either way (``walk=False``: always
     scan). HSM and ISM columns are convex (appendix B); MSM columns are not (96 of 100 rows at t = 1000,
-    alpha = 5, beta = 4 have a negative second difference), so MSM scans.
+    alpha = 5, beta = 4 have a negative second difference), so here MSM scans (see :mod:`.hull_dp`).
     """
-    a_max = max(alpha or 1, beta or 1)
-    pad = a_max  # columns of INF standing for negative memory
-    # CT[pad + m, t]: memory-major so that reductions over y run along contiguous rows.
-    CT = np.full((pad + m_max + 1, t_max + 1), INF, dtype=np.int64)
-    CT[:, 0] = 0
+    CT, pad = cost_table(t_max, m_max, alpha, beta)
     flat = CT.reshape(-1)
     width = t_max + 1
     DT = np.zeros((m_max + 1, t_max + 1), dtype=np.int64)
@@ -204,6 +205,31 @@ def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta:
         if t >= 3:
             convex[cols] &= CT[cols, t] - 2 * CT[cols, t - 1] + CT[cols, t - 2] >= 0
     return CT[pad:, :].T.copy(), DT.T.copy(), HT.T.copy()
+
+
+#: Sequence length from which the hull method solves MSM faster than the scan (measured on a 2-core CPU,
+#: alpha = 5, beta = 4: CPU seconds hull/scan 0.25/0.22 at t = 1000, 0.39/0.50 at 1500, m = 100).
+_HULL_FROM = 1200
+
+
+def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None,
+              method: str = "auto"):
+    """Tables C, D, H (as ``C[t, m]``) of the recurrence in the module docstring, by ``method``:
+
+    ``"walk"`` (:func:`_solve_walk`: the convexity walk where the columns are convex, else the scan),
+    ``"hull"`` (:func:`fxplan.bptt.hull_dp.solve_tables`: windows certified by the columns' hulls, for
+    t <= ``hull_dp.T_LIMIT``) or ``"scan"`` (every position; the reference). All three give identical
+    tables. ``"auto"``: the walk for HSM and ISM (whose columns are convex, appendix B); for MSM the hull
+    method from ``_HULL_FROM`` steps up to its limit, the walk's scan below (faster there).
+    """
+    if method == "auto":
+        msm = use_hidden and alpha is not None
+        method = "hull" if msm and _HULL_FROM <= t_max <= T_LIMIT else "walk"
+    if method == "hull":
+        return solve_tables(t_max, m_max, use_hidden, alpha, beta)
+    if method in ("walk", "scan"):
+        return _solve_walk(t_max, m_max, use_hidden, alpha, beta, walk=method == "walk")
+    raise FxplanError(f"unknown BPTT solver method {method!r}; choose 'auto', 'walk', 'hull' or 'scan'")
 
 
 @functools.lru_cache(maxsize=32)
