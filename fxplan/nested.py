@@ -24,7 +24,8 @@ move that lowers the peak most, until none lowers it by ``MIN_GAIN`` (at most ``
 
 Moves are tried in order of the base plan's replayed per-segment peaks (segments whose backward is
 near the peak first), at most ``MOVES_PER_ROUND`` per round and no more once ``PATIENCE`` of them in a
-row have not lowered the round's best, so planning time stays bounded on graphs with many segments.
+row have not lowered the round's best, and at most ``MEASUREMENTS`` measurements in all over every
+plan one search starts from, so planning time stays bounded on graphs with many segments.
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ ROUNDS, MOVES_PER_ROUND = 6, 12
 #: round's first 6 moves, and the plans found are the same (docs/planner.md).
 PATIENCE = 6
 
+#: Most candidates one :class:`NestedSearch` measures, over all the plans it starts from: at most
+#: MEASUREMENTS, and fewer on graphs of more than MEASUREMENT_WORK / MEASUREMENTS nodes (each measurement is
+#: a fake step of a rewritten module, whose time grows with the graph: :func:`measurement_budget`). Counts,
+#: not seconds, so that results do not depend on the machine's load. ResNet-50 at batch 96 uses 47 from its
+#: three starting plans; a 1,000-node GPT-2 took over 50 measurements and 5 minutes uncapped.
+MEASUREMENTS, MEASUREMENT_WORK = 48, 24_000
+
 #: A round's best move is taken only if it lowers the measured peak by at least this fraction: smaller
 #: gains cost a recomputation and minutes of search each (ResNet-50 at batch 96: 2.4% in 5 rounds, 405 s).
 MIN_GAIN = 0.01
@@ -63,6 +71,11 @@ MIN_GAIN = 0.01
 #: Sub-plans taken from a segment's DP frontier (besides its memory-centric plan), longest merged run, and
 #: most two-segment cuts tried per segment.
 SUB_PLANS, MERGE_RUN, CUTS = 6, 3, 8
+
+
+def measurement_budget(nodes: int) -> int:
+    """How many candidates the nested search measures on a graph of ``nodes`` nodes (0: none)."""
+    return min(MEASUREMENTS, MEASUREMENT_WORK // max(nodes, 1))
 
 
 @dataclass
@@ -160,11 +173,15 @@ def _copy(blocks: list[Block]) -> list[Block]:
 class NestedSearch:
     """Local search over nested plans from a canonical plan (module docstring)."""
 
-    def __init__(self, cg: CostGraph, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None):
+    def __init__(self, cg: CostGraph, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                 max_measurements: int | None = None):
         self.cg, self.inputs, self.loss_fn = cg, inputs, loss_fn
         self._sub_plans: dict[tuple[str, ...], list[list[list[str]]]] = {}
+        self.measurements_left = (measurement_budget(cg.number_of_nodes()) if max_measurements is None
+                                  else max_measurements)
 
     def measure(self, blocks: list[Block]) -> tuple[int, SegmentedModule] | None:
+        self.measurements_left -= 1
         segments = [b.names for b in blocks]
         try:
             module = segment_module(self.cg.graph["gm"], segments, subplans.as_children(blocks))
@@ -218,7 +235,7 @@ class NestedSearch:
         for _ in range(ROUNDS):
             round_best, idle = None, 0
             for n, cand in enumerate(self._moves(best_blocks, rank)):
-                if n == MOVES_PER_ROUND or idle == PATIENCE:
+                if n == MOVES_PER_ROUND or idle == PATIENCE or self.measurements_left <= 0:
                     break
                 got = self.measure(cand)
                 idle += 1
@@ -227,7 +244,7 @@ class NestedSearch:
             if round_best is None or round_best[0] > best * (1 - MIN_GAIN):
                 break
             best, module, best_blocks = round_best
-            logger.debug("nested: measured peak %d bytes", best)
+            logger.debug("nested: measured peak %d bytes, %d measurements left", best, self.measurements_left)
         if module is None:
             return None
         return NestedResult(best_blocks, best, module, recompute_fraction(self.cg, best_blocks))

@@ -153,6 +153,26 @@ def test_search_goes_below_the_canonical_plans_and_trains_exactly():
     assert "sub-plan of" in opt.fxplan_plan.summary()
 
 
+def test_the_nested_search_measures_at_most_its_budget_of_candidates():
+    from fxplan import nested
+    from fxplan.search import Search
+    from fxplan.trace import trace
+
+    model = Chain(convs=3)
+    x = (torch.randn(16, 3, 32, 32),)
+    cg = trace(model, x)
+    flat = Search(cg, model, x, solver="approx").smallest()
+    unbounded = nested.NestedSearch(cg, x, None, 1000)
+    unbounded.improve(flat.plan, flat.measured, flat.segment_replayed)
+    assert 1000 - unbounded.measurements_left > 2  # left alone it measures more than the cap below
+    capped = nested.NestedSearch(cg, x, None, 2)
+    capped.improve(flat.plan, flat.measured, flat.segment_replayed)
+    assert capped.measurements_left == 0  # stopped after two measurements
+    assert nested.NestedSearch(cg, x, None, 0).improve(flat.plan, flat.measured, []) is None
+    sizes = [nested.measurement_budget(n) for n in (10, 500, 1000, 10_000, 30_000)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == nested.MEASUREMENTS and sizes[-1] == 0
+
+
 @pytest.mark.parametrize("name", sorted(AWKWARD))
 def test_floor_is_below_every_plan(name):
     """No plan, flat or nested, measures below the physical floor; vanilla is at or above it."""
