@@ -24,8 +24,8 @@ move that lowers the peak most, until none lowers it by ``MIN_GAIN`` (at most ``
 
 Moves are tried in order of the base plan's replayed per-segment peaks (segments whose backward is
 near the peak first), at most ``MOVES_PER_ROUND`` per round and no more once ``PATIENCE`` of them in a
-row have not lowered the round's best, and at most ``MEASUREMENTS`` measurements in all over every
-plan one search starts from, so planning time stays bounded on graphs with many segments.
+row have not lowered the round's best, and at most ``MEASUREMENTS`` measurements per starting plan
+(fewer on large graphs), so planning time stays bounded on graphs with many segments.
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ ROUNDS, MOVES_PER_ROUND = 6, 12
 #: round's first 6 moves, and the plans found are the same (docs/planner.md).
 PATIENCE = 6
 
-#: Most candidates one :class:`NestedSearch` measures, over all the plans it starts from: at most
-#: MEASUREMENTS, and fewer on graphs of more than MEASUREMENT_WORK / MEASUREMENTS nodes (each measurement is
-#: a fake step of a rewritten module, whose time grows with the graph: :func:`measurement_budget`). Counts,
-#: not seconds, so that results do not depend on the machine's load. ResNet-50 at batch 96 uses 47 from its
-#: three starting plans; a 1,000-node GPT-2 took over 50 measurements and 5 minutes uncapped.
+#: Most candidates one search from one starting plan measures: MEASUREMENTS, and fewer on graphs of more
+#: than MEASUREMENT_WORK / MEASUREMENTS nodes (each measurement is a fake step of a rewritten module, whose
+#: time grows with the graph: :func:`measurement_budget`). Counts, not seconds, so that results do not
+#: depend on the machine's load; per starting plan, so that a search from Chen's smallest plan ends where
+#: ``solver="chen"``'s own does whatever other plans were searched before it. ResNet-50 at batch 96 uses
+#: 11, 23 and 13 from its three starting plans; a 1,000-node GPT-2 took over 50 and 5 minutes uncapped.
 MEASUREMENTS, MEASUREMENT_WORK = 48, 24_000
 
 #: A round's best move is taken only if it lowers the measured peak by at least this fraction: smaller
@@ -177,8 +178,9 @@ class NestedSearch:
                  max_measurements: int | None = None):
         self.cg, self.inputs, self.loss_fn = cg, inputs, loss_fn
         self._sub_plans: dict[tuple[str, ...], list[list[list[str]]]] = {}
-        self.measurements_left = (measurement_budget(cg.number_of_nodes()) if max_measurements is None
-                                  else max_measurements)
+        self.max_measurements = (measurement_budget(cg.number_of_nodes()) if max_measurements is None
+                                 else max_measurements)
+        self.measurements_left = self.max_measurements
 
     def measure(self, blocks: list[Block]) -> tuple[int, SegmentedModule] | None:
         self.measurements_left -= 1
@@ -227,7 +229,8 @@ class NestedSearch:
 
     def improve(self, base: Plan, base_measured: int, segment_peaks: list[int]) -> NestedResult | None:
         """The nested plan of least measured peak reachable from ``base`` by the moves, if lower than
-        ``base_measured``; None if no move lowers it."""
+        ``base_measured``; None if no move lowers it. Each call measures at most ``max_measurements``."""
+        self.measurements_left = self.max_measurements
         order = sorted(range(len(base.segments)), key=lambda i: -segment_peaks[i]) if segment_peaks else []
         rank = {v: r for r, i in enumerate(order) for v in base.segments[i]}
         best_blocks = [Block(list(s)) for s in base.segments]

@@ -31,7 +31,7 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    measured peak, and from each other solver's smallest candidate (:meth:`Search._seeds`), and looks
    for a nested plan (sub-segments checkpointed inside segments) that measures lower; the lowest found
    is taken (:meth:`Search.lowest`). It measures at most :func:`fxplan.nested.measurement_budget`
-   candidates in all (48, fewer above 500 nodes, none above 24,000). Where nesting gains nothing,
+   candidates per starting plan (48, fewer above 500 nodes, none above 24,000). Where nesting gains nothing,
    results are the canonical search's; where it does, a budget below the canonical plans is met
    instead of refused.
 
@@ -211,7 +211,7 @@ class Search:
         if self._lowest is None:
             self._lowest = self.smallest()
             nested = NestedSearch(self.cg, self.inputs, self.loss_fn)
-            for seed in self._seeds() if nested.measurements_left > 0 else []:
+            for seed in self._seeds() if nested.max_measurements > 0 else []:
                 found = nested.improve(seed.plan, seed.measured, seed.segment_replayed)
                 if found is not None and found.measured < self._lowest.measured:
                     self._lowest = Candidate(found.plan(self.cg, seed.plan), found.measured, [], found.measured,
