@@ -74,6 +74,18 @@ MIN_GAIN = 0.01
 SUB_PLANS, MERGE_RUN, CUTS = 6, 3, 8
 
 
+def measure_plan(cg: CostGraph, segments: list[list[str]], children: dict, inputs: Any,
+                 loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, SegmentedModule] | None:
+    """The measured peak (one fake-tensor step) of the module the rewriter generates for a plan, and the
+    module; None if the rewriter rejects the plan."""
+    try:
+        module = segment_module(cg.graph["gm"], segments, children)
+    except FxplanError as exc:
+        logger.debug("plan of %d segments rejected by the rewriter: %s", len(segments), exc)
+        return None
+    return measure_step(module, inputs, fake=True, loss_fn=loss_fn).peak_bytes, module
+
+
 def measurement_budget(nodes: int) -> int:
     """How many candidates the nested search measures on a graph of ``nodes`` nodes (0: none)."""
     return min(MEASUREMENTS, MEASUREMENT_WORK // max(nodes, 1))
@@ -184,13 +196,8 @@ class NestedSearch:
 
     def measure(self, blocks: list[Block]) -> tuple[int, SegmentedModule] | None:
         self.measurements_left -= 1
-        segments = [b.names for b in blocks]
-        try:
-            module = segment_module(self.cg.graph["gm"], segments, subplans.as_children(blocks))
-        except FxplanError as exc:
-            logger.debug("nested candidate rejected by the rewriter: %s", exc)
-            return None
-        return measure_step(module, self.inputs, fake=True, loss_fn=self.loss_fn).peak_bytes, module
+        return measure_plan(self.cg, [b.names for b in blocks], subplans.as_children(blocks), self.inputs,
+                            self.loss_fn)
 
     def _moves(self, blocks: list[Block], rank: dict[str, int]) -> Iterator[list[Block]]:
         """Trees one move away from ``blocks``, most promising first (``rank``: node -> priority, 0 best);

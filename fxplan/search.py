@@ -53,12 +53,12 @@ from typing import Any
 import torch
 
 from fxplan import chen, dp
-from fxplan.codegen import SegmentedModule, segment_module
+from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.lowersets import enumerate_lower_sets
-from fxplan.measure import GiB, measure_step
-from fxplan.nested import NestedSearch
+from fxplan.measure import GiB
+from fxplan.nested import NestedSearch, measure_plan
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
 from fxplan.plans import Plan
 from fxplan.replay import StepModel, replay, step_model
@@ -171,13 +171,11 @@ class Search:
     def measure(self, c: Candidate) -> int | None:
         """The measured peak of ``c`` (measured once); None if the rewriter rejects the plan."""
         if c.measured is None and not c.rejected:
-            try:
-                c.module = segment_module(self.cg.graph["gm"], c.plan.segments, c.plan.children)
-            except FxplanError as exc:
-                logger.debug("candidate with %d segments rejected by the rewriter: %s", c.plan.num_segments, exc)
+            got = measure_plan(self.cg, c.plan.segments, c.plan.children, self.inputs, self.loss_fn)
+            if got is None:
                 c.rejected = True
                 return None
-            c.measured = measure_step(c.module, self.inputs, fake=True, loss_fn=self.loss_fn).peak_bytes
+            c.measured, c.module = got
             logger.debug("candidate: %d segments, recompute %.3f, replayed %d, measured %d bytes",
                          c.plan.num_segments, c.recompute, c.replayed, c.measured)
             self.ratio = min(self.ratio, c.measured / c.replayed)
