@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -192,13 +193,30 @@ def measure_step(
         raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
     fake_mode = fake_mode_of(model, inputs) if fake or has_fake(model, inputs) else None
     if fake_mode is not None:
-        fake_model, fake_inputs = fake_copy(model, fake_mode), to_fake(inputs, fake_mode)
-        with fake_mode:
-            return _measure_tracked(fake_model, fake_inputs, loss_fn, timeline, "fake tensors")
+        return measure_fake(fake_copy(model, fake_mode), to_fake(inputs, fake_mode), fake_mode, loss_fn, timeline)
     device = _device_of(model, inputs)
     if device.type == "cuda":
         return _measure_cuda(real_copy(model), inputs, loss_fn, device)
     return _measure_tracked(real_copy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
+
+
+def measure_fake(model: torch.nn.Module, inputs: tuple[tuple, dict[str, Any]], fake_mode: FakeTensorMode,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, timeline: bool = False) -> StepStats:
+    """:func:`measure_step` with ``fake=True`` of a model whose state is fake tensors of ``fake_mode`` already
+    (a :func:`fxplan.fakes.fake_copy`), on fake ``(args, kwargs)``: the step runs on the model itself.
+
+    Where many modules generated over one fake copy are measured (:mod:`fxplan.search`) this saves a copy
+    per step: for a rewritten module, a second code generation and every parameter made again. The
+    parameters' ``.grad`` are put back afterwards, so every step starts as the first did (buffers written
+    in place, such as BatchNorm statistics, hold no values and keep their shapes).
+    """
+    grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        with fake_mode:
+            return _measure_tracked(model, inputs, loss_fn or default_loss, timeline, "fake tensors")
+    finally:
+        for p, g in grads:
+            p.grad = g
 
 
 def real_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -21,9 +21,10 @@ bytes of live storages as :func:`fxplan.measure_step` does:
   starts without ``.grad``, added into the existing ones otherwise), then frees its own gradient and
   the values it saved once no other node needs them.
 
-Which inputs receive gradients, and how large the loss's gradients of the outputs are, is probed once
-on fake tensors (:func:`probe_gradients`). The peak is the largest total, resident bytes (parameters,
-buffers, inputs, existing gradients) included. What it does not see: temporaries inside one op's
+Which inputs receive gradients is recorded by the trace's propagation (:mod:`fxplan.trace`), and how
+large the loss's gradients of the outputs are is probed on fake outputs (:func:`output_gradient`).
+The peak is the largest total, resident bytes (parameters, buffers, inputs, existing gradients)
+included. What it does not see: temporaries inside one op's
 kernel or inside a leaf module's backward (convolution workspaces, a crop taken as two slices) and
 the loss function's own tensors. docs/rewrite.md gives its residual error on the zoo (within 2.5%).
 """
@@ -36,14 +37,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan import effects
 from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
-from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 from fxplan.measure import default_loss, resident_bytes
-from fxplan.trace import placeholder_values
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ class StepModel:
     loss gives an output, per byte of output; ``views``: node -> the node it returns a view of (no
     storage of its own); ``inplace``: node -> the node whose value it overwrites; ``grad_inputs``:
     node -> the inputs its backward gives a gradient; ``passes``: nodes without a backward of their
-    own (their inputs get the incoming gradient itself). The last three come from
-    :func:`probe_gradients`.
+    own (their inputs get the incoming gradient itself). The last two come from the trace
+    (``cg.graph["gradients"]``).
     """
 
     resident: int
@@ -76,7 +76,8 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
                loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepModel:
     """The :class:`StepModel` of ``cg``, traced from ``model`` with ``example_inputs`` (real or fake)."""
     gm: fx.GraphModule = cg.graph["gm"]
-    grad_inputs, passes, output_grad = probe_gradients(cg, example_inputs, loss_fn)
+    grad_inputs, passes = cg.graph["gradients"]
+    output_grad = output_gradient(cg, loss_fn)
     param_grads: dict[str, tuple[tuple[int, int], ...]] = {}
     views: dict[str, str] = {}
     inplace: dict[str, str] = {}
@@ -106,41 +107,16 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     return StepModel(resident, grads_exist, param_grads, outputs, output_grad, views, inplace, grad_inputs, passes)
 
 
-def probe_gradients(cg: CostGraph, example_inputs: Any,
-                    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                    ) -> tuple[dict[str, frozenset[str]], frozenset[str], float]:
-    """Which inputs of each node its backward gives a gradient, which nodes have no backward of their
-    own, and how big the loss's output gradients are.
-
-    One forward of ``gm`` on fake tensors records the autograd nodes each graph node creates; walking
-    back from a node's outputs through the autograd nodes it created finds the inputs whose gradient
-    it computes (a shape-only argument, an integer index, a detached value get none). A node that
-    creates none (it builds or takes apart a tuple) hands its inputs their gradients as they come.
-    Then ``loss_fn``'s backward gives the bytes of the gradient it hands the outputs, per byte of
-    floating-point output (0 for a sum, which hands each output an expanded scalar; 1 for cross-entropy).
-    """
+def output_gradient(cg: CostGraph, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> float:
+    """Bytes of the gradient ``loss_fn`` hands the model's outputs, per byte of floating-point output
+    (0 for a sum, which hands each output an expanded scalar; 1 for cross-entropy): its backward run on
+    fake outputs of the traced shapes (``cg.graph["example_output"]``)."""
     loss_fn = loss_fn or default_loss
-    gm: fx.GraphModule = cg.graph["gm"]
-    captured = cg.graph["captured"]
-    call = as_call(example_inputs)
-    inputs = placeholder_values(gm, *captured.interface.graph_inputs(call.args, call.kwargs), type(gm).__name__)
-    fake_mode = fake_mode_of(gm, inputs)
-    probe = _GradientProbe(fake_copy(gm, fake_mode))
+    example = cg.graph["example_output"]
+    fakes = [t for t in tree_leaves(example) if isinstance(t, FakeTensor)]
+    fake_mode = fakes[0].fake_mode if fakes else FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode, torch.enable_grad():
-        out = captured.interface.output(probe.run(*to_fake(inputs, fake_mode)))
-        owner: dict = {}  # autograd node -> the first graph node whose output it made
-        for name, fns in probe.outputs.items():
-            for fn in fns:
-                owner.setdefault(fn, name)
-        grad_inputs, passes = {}, set()
-        for node in gm.graph.nodes:
-            if node.name in probe.outputs:
-                fns, first = probe.outputs[node.name], probe.start[node.name]
-                preds = {u.name for u in node.all_input_nodes}
-                grad_inputs[node.name] = frozenset(_reached(fns, first, owner) & preds)
-                if fns and all(fn._sequence_nr() < first for fn in fns):
-                    passes.add(node.name)
-        out = tree_map(lambda t: t.detach().requires_grad_() if _is_float(t) else t, out)
+        out = tree_map(lambda t: t.detach().requires_grad_() if _is_float(t) else t, example)
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         grads: dict[int, int] = {}  # the gradients as the loss hands them over (before .grad copies them)
 
@@ -151,49 +127,11 @@ def probe_gradients(cg: CostGraph, example_inputs: Any,
             t.register_hook(seen)
         loss_fn(out).backward()
     total = sum(t.untyped_storage().nbytes() for t in leaves)
-    return grad_inputs, frozenset(passes), (sum(grads.values()) / total if total else 0.0)
+    return sum(grads.values()) / total if total else 0.0
 
 
 def _is_float(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
-
-
-def _reached(start_fns: set, first: int, owner: dict) -> set[str]:
-    """Graph nodes whose output autograd nodes are reached from ``start_fns`` through autograd nodes
-    created at or after sequence number ``first`` (those of the node being examined). An output that
-    is an input unchanged (a tuple built or taken apart) reaches that input directly."""
-    reached, seen, stack = set(), set(), list(start_fns)
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if fn._sequence_nr() < first:
-            if fn in owner:
-                reached.add(owner[fn])
-            continue
-        stack.extend(nxt for nxt, _ in fn.next_functions)
-    return reached
-
-
-class _GradientProbe(fx.Interpreter):
-    """Runs a graph recording, per compute node, the autograd nodes of its outputs and the first
-    sequence number it used."""
-
-    def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm, garbage_collect_values=False)
-        self.outputs: dict[str, set] = {}
-        self.start: dict[str, int] = {}
-
-    def run_node(self, n: fx.Node):
-        if n.op not in effects.COMPUTE_OPS:
-            return super().run_node(n)
-        marker = torch.zeros((), requires_grad=True) * 1  # the next sequence number, taken
-        self.start[n.name] = marker.grad_fn._sequence_nr()
-        out = super().run_node(n)
-        self.outputs[n.name] = {t.grad_fn for t in tree_leaves(out)
-                                if isinstance(t, torch.Tensor) and t.grad_fn is not None}
-        return out
 
 
 @dataclass

@@ -47,21 +47,25 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxplan import chen, dp
-from fxplan.codegen import SegmentedModule
+from fxplan.capture import as_call
+from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
+from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 from fxplan.lowersets import enumerate_lower_sets
-from fxplan.measure import GiB
-from fxplan.nested import NestedSearch, measure_plan
+from fxplan.measure import GiB, measure_fake
+from fxplan.nested import NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
 from fxplan.plans import Plan
-from fxplan.replay import StepModel, replay, step_model
+from fxplan.replay import Replay, StepModel, replay, step_model
 from fxplan.sweep_model import SweepModel
 
 logger = logging.getLogger("fxplan")
@@ -102,14 +106,30 @@ SWEEP = SweepModel()
 
 @dataclass
 class Candidate:
-    """One plan of the search: its replayed peak, and once measured its peak and generated module."""
+    """One plan of the search: its replayed peaks (replayed when first asked for: most candidates of a
+    budget search are never compared by peak), and once measured its peak and generated module."""
 
     plan: Plan
-    replayed: int
-    segment_replayed: list[int]
+    replay_step: Callable[[Plan], Replay] | None = field(default=None, repr=False)
     measured: int | None = None
     module: SegmentedModule | None = None
     rejected: bool = False
+    peaks: tuple[int, list[int]] | None = None  # (whole step, per segment), from ``replay_step``
+    code: str | None = None  # the generated code measured, when measured on the search's fake copy
+
+    def _peaks(self) -> tuple[int, list[int]]:
+        if self.peaks is None:
+            r = self.replay_step(self.plan)
+            self.peaks = (r.peak_bytes, r.segment_peak_bytes)
+        return self.peaks
+
+    @property
+    def replayed(self) -> int:
+        return self._peaks()[0]
+
+    @property
+    def segment_replayed(self) -> list[int]:
+        return self._peaks()[1]
 
     @property
     def recompute(self) -> float:
@@ -131,14 +151,18 @@ class Search:
         self._exhausted = False
         self._floor: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`floor`
         self._lowest: Candidate | None = None
+        self._fake: tuple[fx.GraphModule, tuple[tuple, dict], FakeTensorMode] | None = None  # :meth:`measure`
 
     def _candidate(self, p: Plan) -> Candidate | None:
-        """A new candidate for ``p``, replayed; None if an existing candidate has the same plan."""
+        """A new candidate for ``p`` (replayed when its peak is first asked for); None if an existing
+        candidate has the same plan."""
         for c in self.candidates + (self._floor or []):
             if c.plan.segments == p.segments and c.plan.children == p.children:
                 return None
-        r = replay(self.cg, self.step, p.segments)
-        return Candidate(p, r.peak_bytes, r.segment_peak_bytes)
+        return Candidate(p, self._replay)
+
+    def _replay(self, p: Plan) -> Replay:
+        return replay(self.cg, self.step, p.segments)
 
     def _walk(self) -> Iterator[Candidate]:
         """Every candidate in the order of :func:`_candidate_plans`, generating plans as they are asked for."""
@@ -169,17 +193,39 @@ class Search:
 
     # ------------------------------------------------------------------------------------ measuring
     def measure(self, c: Candidate) -> int | None:
-        """The measured peak of ``c`` (measured once); None if the rewriter rejects the plan."""
+        """The measured peak of ``c`` (measured once); None if the rewriter rejects the plan.
+
+        The module is generated over one fake copy of the captured graph, made once per search, and its
+        step measured on that copy (:func:`fxplan.measure.measure_fake`): the same step as
+        :func:`fxplan.measure_step` on a copy of the module generated over the model, without copying
+        (and so generating) every candidate twice. :meth:`result` generates the chosen plan's module
+        over the model and checks that its code is the code measured.
+        """
         if c.measured is None and not c.rejected:
-            got = measure_plan(self.cg, c.plan.segments, c.plan.children, self.inputs, self.loss_fn)
-            if got is None:
+            gm, inputs, fake_mode = self._fake_graph()
+            try:
+                twin = segment_module(gm, c.plan.segments, c.plan.children)
+            except FxplanError as exc:
+                logger.debug("plan of %d segments rejected by the rewriter: %s", c.plan.num_segments, exc)
                 c.rejected = True
                 return None
-            c.measured, c.module = got
+            c.measured = measure_fake(twin, inputs, fake_mode, self.loss_fn).peak_bytes
+            c.code = _code(twin)
             logger.debug("candidate: %d segments, recompute %.3f, replayed %d, measured %d bytes",
                          c.plan.num_segments, c.recompute, c.replayed, c.measured)
             self.ratio = min(self.ratio, c.measured / c.replayed)
         return c.measured
+
+    def _fake_graph(self) -> tuple[fx.GraphModule, tuple[tuple, dict], FakeTensorMode]:
+        """A fake copy of the captured graph and the inputs as fake ``(args, kwargs)``, as
+        :func:`fxplan.measure_step` makes them, made on first use."""
+        if self._fake is None:
+            gm = self.cg.graph["gm"]
+            call = as_call(self.inputs)
+            inputs = (call.args, call.kwargs)
+            fake_mode = fake_mode_of(gm, inputs)
+            self._fake = (fake_copy(gm, fake_mode), to_fake(inputs, fake_mode), fake_mode)
+        return self._fake
 
     def _may_fit(self, c: Candidate, budget: float) -> bool:
         """False only if ``c`` cannot fit ``budget`` unless the replay errs by more than the margin."""
@@ -212,8 +258,8 @@ class Search:
             for seed in self._seeds() if nested.max_measurements > 0 else []:
                 found = nested.improve(seed.plan, seed.measured, seed.segment_replayed)
                 if found is not None and found.measured < self._lowest.measured:
-                    self._lowest = Candidate(found.plan(self.cg, seed.plan), found.measured, [], found.measured,
-                                             found.module)
+                    self._lowest = Candidate(found.plan(self.cg, seed.plan), measured=found.measured,
+                                             module=found.module, peaks=(found.measured, []))
         return self._lowest
 
     def _seeds(self) -> list[Candidate]:
@@ -287,6 +333,11 @@ class Search:
 
     def result(self, c: Candidate, budget_bytes: int | None) -> SegmentedModule:
         """The chosen candidate's module, carrying its plan with replayed and measured peaks."""
+        if c.module is None:
+            c.module = segment_module(self.cg.graph["gm"], c.plan.segments, c.plan.children)
+            if _code(c.module) != c.code:
+                raise FxplanError("internal error: the module generated for the chosen plan differs from the "
+                                  "one measured; please report it with the model (measure_step it to check)")
         plan = replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
                        memory_model=c.plan.memory_model if c.plan.children else "replay",
                        measured_peak_bytes=c.measured, budget_bytes=budget_bytes,
@@ -294,6 +345,11 @@ class Search:
         c.module.fxplan_plan = plan
         c.module.fxplan_measured_peak_bytes = c.measured
         return c.module
+
+
+def _code(module: SegmentedModule) -> str:
+    """The generated code of a rewritten module and all its segments (not its class name)."""
+    return module.readable().split("\n", 1)[1]
 
 
 def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iterator[Plan]:

@@ -17,6 +17,11 @@ through a private fake-tensor copy of the model, one node at a time, to record p
 * ``alias_of``: the predecessor whose storage the output shares (views and in-place ops), else None;
 * ``mutates``: the buffers the node writes in place, seen from the schemas of the ops it runs.
 
+The same propagation records what the replay of a plan's backward (:mod:`fxplan.replay`) needs from
+autograd: which inputs of each node its backward gives a gradient, which nodes have no backward of
+their own (``cg.graph["gradients"]``), and the model's output (``cg.graph["example_output"]``, fake
+tensors), so that no second pass over the graph is needed for them.
+
 Besides data edges, the graph holds ``order_only`` edges (see :func:`fxplan.effects.ordering_edges`):
 random ops keep their program order, and readers after an in-place write stay after it, so every
 plan over the graph is one the rewriter can run exactly. Solvers treat them like data edges, which
@@ -36,7 +41,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after
@@ -103,6 +108,9 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
             node.meta["fxplan_mutates"] = propagator.records[node.name].mutates
     cg = _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
     cg.graph["captured"] = captured
+    cg.graph["gradients"] = propagator.gradients()
+    cg.graph["example_output"] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
+                                          captured.interface.output(propagator.result))
     if cost_model in TIME_MODELS:
         _time_costs(cg, gm, propagator, cost_model)
     return cg
@@ -116,7 +124,7 @@ def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) ->
     propagator = _CostPropagator(fake_copy(gm, fake_mode), fake_mode)
     try:
         with fake_mode, torch.enable_grad():
-            propagator.run(*to_fake(values, fake_mode))
+            propagator.result = propagator.run(*to_fake(values, fake_mode))
     except Exception as exc:  # anything the model's own code raises on these inputs
         node = propagator.current
         raise TraceError(f"running the captured graph on the example inputs failed at node '{node}' "
@@ -195,6 +203,10 @@ class _CostPropagator(torch.fx.Interpreter):
         for name, b in gm.named_buffers(remove_duplicate=False):
             key = b.untyped_storage()._cdata
             self.buffer_names[key] = (*self.buffer_names.get(key, ()), name)
+        self.result: Any = None  # the graph's output
+        # per compute node: the autograd nodes of its outputs, and the first sequence number it used
+        self.grad_fns: dict[str, set] = {}
+        self.grad_start: dict[str, int] = {}
 
     def placeholder(self, target, args, kwargs):
         value = super().placeholder(target, args, kwargs)
@@ -207,6 +219,8 @@ class _CostPropagator(torch.fx.Interpreter):
         self.current = n.name
         if n.op not in COMPUTE_OPS:
             return super().run_node(n)
+        marker = torch.zeros((), requires_grad=True) * 1  # the next autograd sequence number, taken
+        self.grad_start[n.name] = marker.grad_fn._sequence_nr()
         record = _NodeRecord()
         input_storages = {t.untyped_storage()._cdata for a in n.all_input_nodes
                           for t in _tensors(self.env.get(a))}
@@ -234,7 +248,49 @@ class _CostPropagator(torch.fx.Interpreter):
             if key in input_storages:
                 record.alias_storage = key
         self.records[n.name] = record
+        self.grad_fns[n.name] = {t.grad_fn for t in _tensors(out) if t.grad_fn is not None}
         return out
+
+    def gradients(self) -> tuple[dict[str, frozenset[str]], frozenset[str]]:
+        """Which inputs of each node its backward gives a gradient, and which nodes have no backward of
+        their own (their inputs get the incoming gradient as it comes).
+
+        Walking back from a node's outputs through the autograd nodes it created finds the inputs whose
+        gradient it computes (a shape-only argument, an integer index, a detached value get none). A
+        node that creates no autograd node (it builds or takes apart a tuple) hands its inputs their
+        gradients as they come.
+        """
+        owner: dict = {}  # autograd node -> the first graph node whose output it made
+        for name, fns in self.grad_fns.items():
+            for fn in fns:
+                owner.setdefault(fn, name)
+        grad_inputs, passes = {}, set()
+        for node in self.module.graph.nodes:
+            if node.name in self.grad_fns:
+                fns, first = self.grad_fns[node.name], self.grad_start[node.name]
+                preds = {u.name for u in node.all_input_nodes}
+                grad_inputs[node.name] = frozenset(_reached(fns, first, owner) & preds)
+                if fns and all(fn._sequence_nr() < first for fn in fns):
+                    passes.add(node.name)
+        return grad_inputs, frozenset(passes)
+
+
+def _reached(start_fns: set, first: int, owner: dict) -> set[str]:
+    """Graph nodes whose output autograd nodes are reached from ``start_fns`` through autograd nodes
+    created at or after sequence number ``first`` (those of the node being examined). An output that
+    is an input unchanged (a tuple built or taken apart) reaches that input directly."""
+    reached, seen, stack = set(), set(), list(start_fns)
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if fn._sequence_nr() < first:
+            if fn in owner:
+                reached.add(owner[fn])
+            continue
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return reached
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ budget (halfway between the smallest measured peak ``rewrite`` reaches and the s
 ``synthetic:N`` is scripts/planner_scale.py's residual network of N nodes (batch 8, sequence 128, width
 64); ``gpt2:L`` a GPT-2 of L layers from transformers (width 64, 4 heads, vocabulary 128, random init,
 batch 4, sequence 128; about 46 + 41 L nodes as captured); other names are zoo networks
-(``models_zoo.get``) at ``--batch`` (default: 8). Everything runs on fake tensors in one process per
+or ``timm:NAME``, ``hf:NAME`` (``models_zoo.resolve``) at ``--batch`` (default: 8). Everything runs on fake tensors in one process per
 model (``--fresh``: a child process each, so that its peak RSS is its own): the trace (capture and cost
 propagation) and the approximate DP's memory-centric solve with the rewrite's memory model (``sweep``)
 timed on their own, a warm-up step, then per repeat the step, ``rewrite`` without a budget and
@@ -35,16 +35,17 @@ from pathlib import Path
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
-from fxplan import dp, rewriting, search
+from fxplan import dp, nested, rewriting, search
 from fxplan.sweep_model import SweepModel
 from fxplan.trace import trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_scale import residual_net  # noqa: E402
 
-STAGES = {"trace": (rewriting, "trace"), "probe": (search, "step_model"), "solve": (search, "plan_graph"),
-          "min": (search, "min_budget_bytes_graph"), "replay": (search, "replay"),
-          "codegen": (search, "segment_module"), "measure": (search, "measure_step")}
+STAGES = {"trace": [(rewriting, "trace")], "probe": [(search, "step_model")], "solve": [(search, "plan_graph")],
+          "min": [(search, "min_budget_bytes_graph")], "replay": [(search, "replay")],
+          "codegen": [(search, "segment_module"), (nested, "segment_module")],
+          "measure": [(search, "measure_fake"), (nested, "measure_step")]}
 
 
 def build(name: str, batch: int):
@@ -63,7 +64,7 @@ def build(name: str, batch: int):
             return net, tuple(entry.example_inputs()), entry.loss
     import models_zoo
 
-    entry = models_zoo.get(name)
+    entry = models_zoo.resolve(name)
     net = entry.build()
     with FakeTensorMode():
         inputs = entry.example_inputs(batch_size=batch)
@@ -79,7 +80,7 @@ def instrument() -> dict[str, list[float]]:
     if getattr(search, "_timed", False):
         return seconds
     search._timed = True
-    for stage, (module, attr) in STAGES.items():
+    for stage, (module, attr) in ((stage, place) for stage, places in STAGES.items() for place in places):
         fn = getattr(module, attr)
 
         def timed(*a, _fn=fn, _stage=stage, **k):
