@@ -59,7 +59,7 @@ from fxplan.capture import as_call
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.fakes import to_fake
 from fxplan.lowersets import enumerate_lower_sets
 from fxplan.measure import GiB, measure_fake
 from fxplan.nested import NestedSearch
@@ -217,14 +217,12 @@ class Search:
         return c.measured
 
     def _fake_graph(self) -> tuple[fx.GraphModule, tuple[tuple, dict], FakeTensorMode]:
-        """A fake copy of the captured graph and the inputs as fake ``(args, kwargs)``, as
-        :func:`fxplan.measure_step` makes them, made on first use."""
+        """A fake copy of the captured graph (the trace's, :mod:`fxplan.trace`: made by the rule of
+        :func:`fxplan.measure_step`), its fake mode and the inputs as fake ``(args, kwargs)``."""
         if self._fake is None:
-            gm = self.cg.graph["gm"]
+            gm, fake_mode = self.cg.graph["fake"]
             call = as_call(self.inputs)
-            inputs = (call.args, call.kwargs)
-            fake_mode = fake_mode_of(gm, inputs)
-            self._fake = (fake_copy(gm, fake_mode), to_fake(inputs, fake_mode), fake_mode)
+            self._fake = (gm, to_fake((call.args, call.kwargs), fake_mode), fake_mode)
         return self._fake
 
     def _may_fit(self, c: Candidate, budget: float) -> bool:

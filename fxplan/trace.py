@@ -20,7 +20,8 @@ through a private fake-tensor copy of the model, one node at a time, to record p
 The same propagation records what the replay of a plan's backward (:mod:`fxplan.replay`) needs from
 autograd: which inputs of each node its backward gives a gradient, which nodes have no backward of
 their own (``cg.graph["gradients"]``), and the model's output (``cg.graph["example_output"]``, fake
-tensors), so that no second pass over the graph is needed for them.
+tensors), so that no second pass over the graph is needed for them. The fake copy it ran on is kept
+with its fake mode (``cg.graph["fake"]``) for the budget search to measure candidates on.
 
 Besides data edges, the graph holds ``order_only`` edges (see :func:`fxplan.effects.ordering_edges`):
 random ops keep their program order, and readers after an in-place write stay after it, so every
@@ -109,6 +110,9 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     cg = _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
     cg.graph["captured"] = captured
     cg.graph["gradients"] = propagator.gradients()
+    # the fake copy propagated (its parameters without .grad: no backward ran) and its fake mode, on which
+    # the budget search measures its candidates (fxplan.search) without copying the model again
+    cg.graph["fake"] = (propagator.module, propagator.fake_mode)
     cg.graph["example_output"] = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                                           captured.interface.output(propagator.result))
     if cost_model in TIME_MODELS:
@@ -194,6 +198,7 @@ class _CostPropagator(torch.fx.Interpreter):
         # Every value stays alive until propagation ends: storages are identified by address, and an
         # address freed early would be reused by a later node and confuse who saved what.
         super().__init__(gm, garbage_collect_values=False)
+        self.fake_mode = fake_mode
         self.records: dict[str, _NodeRecord] = {}
         self.current = ""
         self.param_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())

@@ -8,9 +8,9 @@ fake-tensor step (``fxplan.measure_step(model, inputs, fake=True)``), with no bu
 budget (halfway between the smallest measured peak ``rewrite`` reaches and the step's own peak).
 ``synthetic:N`` is scripts/planner_scale.py's residual network of N nodes (batch 8, sequence 128, width
 64); ``gpt2:L`` a GPT-2 of L layers from transformers (width 64, 4 heads, vocabulary 128, random init,
-batch 4, sequence 128; about 46 + 41 L nodes as captured); other names are zoo networks
-or ``timm:NAME``, ``hf:NAME`` (``models_zoo.resolve``) at ``--batch`` (default: 8). Everything runs on fake tensors in one process per
-model (``--fresh``: a child process each, so that its peak RSS is its own): the trace (capture and cost
+batch 4, sequence 128; about 46 + 41 L nodes as captured); other names are zoo networks, ``timm:NAME`` or
+``hf:NAME`` (``models_zoo.resolve``) at ``--batch`` (default: 8). Everything runs on fake tensors in one
+process per model (``--fresh``: a child process each, so that its peak RSS is its own): the trace (capture and cost
 propagation) and the approximate DP's memory-centric solve with the rewrite's memory model (``sweep``)
 timed on their own, a warm-up step, then per repeat the step, ``rewrite`` without a budget and
 ``rewrite`` at the middle budget, interleaved; medians and ranges over the repeats (``--half``: no
@@ -81,7 +81,9 @@ def instrument() -> dict[str, list[float]]:
         return seconds
     search._timed = True
     for stage, (module, attr) in ((stage, place) for stage, places in STAGES.items() for place in places):
-        fn = getattr(module, attr)
+        fn = getattr(module, attr, None)
+        if fn is None:  # an older fxplan (the "before" of a comparison) without this stage
+            continue
 
         def timed(*a, _fn=fn, _stage=stage, **k):
             t0 = time.perf_counter()
