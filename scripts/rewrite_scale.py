@@ -15,7 +15,8 @@ propagation) and the approximate DP's memory-centric solve with the rewrite's me
 timed on their own, a warm-up step, then per repeat the step, ``rewrite`` without a budget and
 ``rewrite`` at the middle budget, interleaved; medians and ranges over the repeats (``--half``: no
 no-budget rewrite, and the budget is half the plain step's peak). The breakdown
-(seconds inside ``fxplan.search`` per stage, from the first no-budget rewrite) says where the time goes:
+(seconds inside ``fxplan.search`` per stage, from the first no-budget rewrite; with ``--half``, from the
+first budget rewrite, followed by the plan it chose) says where the time goes:
 ``trace`` capture and cost propagation, ``probe`` the replay's gradient probe (``step_model``), ``solve``
 the DP solves of the candidate plans, ``replay`` their predicted peaks, ``codegen`` + ``measure`` the
 fake-tensor steps of the candidates measured.
@@ -96,14 +97,25 @@ def instrument() -> dict[str, list[float]]:
     return seconds
 
 
+#: CPU seconds of this process per clocked call (``clock``), by the order of the calls.
+CPU: list[float] = []
+
+
 def clock(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+    """Wall seconds of ``fn()`` and its result; its CPU seconds are appended to ``CPU`` (on a shared machine
+    CPU time moves less with the load than wall time: fake tensors compute nothing, so a step is one thread)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
+    CPU.append(time.process_time() - c0)
     return time.perf_counter() - t0, out
 
 
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f}" + (f" [{min(xs):.2f}-{max(xs):.2f}]" if len(xs) > 1 else "")
+
+
+def stages(seconds: dict[str, list[float]]) -> str:
+    return ", ".join(f"{k} {sum(v):.1f}" + (f" ({len(v)}x)" if len(v) > 1 else "") for k, v in seconds.items())
 
 
 def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]], half: bool = False) -> str:
@@ -113,33 +125,41 @@ def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]], ha
     cg = None  # the rewrites trace their own graph
     fxplan.measure_step(net, inputs, fake=True, loss_fn=loss)  # warm-up
     steps, free, mid, breakdown, middle, peak, nodes = [], [], [], "", None, None, 0
+    cpu_steps, cpu_mid = [], []
     for r in range(repeats):
         t, st = clock(lambda: fxplan.measure_step(net, inputs, fake=True, loss_fn=loss))
         steps.append(t)
+        cpu_steps.append(CPU[-1])
         seconds.clear()
         if half:  # no no-budget rewrite: the budget is half the plain step's peak
             t, m2 = clock(lambda b=st.peak_bytes // 2: fxplan.rewrite(net, example_inputs=inputs, loss_fn=loss,
                                                                       budget_bytes=b))
             mid.append(t)
+            cpu_mid.append(CPU[-1])
             nodes = sum(len(s) for s in m2.fxplan_plan.segments)
             peak = (None, m2.fxplan_measured_peak_bytes, st.peak_bytes)
+            if r == 0:  # the budget rewrite's stages, and the plan chosen (to compare versions)
+                breakdown = stages(seconds) + (f"; chosen: {m2.fxplan_plan.num_segments} segments, recompute "
+                                               f"{m2.fxplan_plan.recompute_fraction:.4f}, {peak[1]} bytes")
             continue
         t, m = clock(lambda: fxplan.rewrite(net, example_inputs=inputs, loss_fn=loss))
         free.append(t)
         if r == 0:
-            breakdown = ", ".join(f"{k} {sum(v):.1f}" + (f" ({len(v)}x)" if len(v) > 1 else "")
-                                  for k, v in seconds.items())
+            breakdown = stages(seconds)
             middle = (m.fxplan_measured_peak_bytes + st.peak_bytes) // 2
             nodes = sum(len(s) for s in m.fxplan_plan.segments)
         t, m2 = clock(lambda b=middle: fxplan.rewrite(net, example_inputs=inputs, loss_fn=loss, budget_bytes=b))
         mid.append(t)
+        cpu_mid.append(CPU[-1])
         peak = (m.fxplan_measured_peak_bytes, m2.fxplan_measured_peak_bytes, st.peak_bytes)
     step = statistics.median(steps)
+    cpu_ratio = statistics.median(cpu_mid) / statistics.median(cpu_steps)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     free_s = f"{spread(free)} ({statistics.median(free) / step:.1f}x)" if free else "not run"
     no_budget = "-" if peak[0] is None else f"{peak[0] / 2**20:.0f}"
     return (f"| {name} | {nodes} | {t_trace:.1f} | {t_solve:.1f} | {spread(steps)} | {free_s} | "
             f"{spread(mid)} ({statistics.median(mid) / step:.1f}x) | "
+            f"{spread(cpu_steps)} / {spread(cpu_mid)} ({cpu_ratio:.1f}x) | "
             f"{no_budget} / {peak[1] / 2**20:.0f} / {peak[2] / 2**20:.0f} | {rss:.0f} | {breakdown} |")
 
 
@@ -155,9 +175,9 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     if not args.no_header:
         print("| model | nodes | trace s | MC solve s | fake step s | rewrite, no budget s (x step) | "
-              "rewrite, middle budget s (x step) | measured peak MiB: no budget / middle / plain step | "
-              "peak RSS MB | no-budget breakdown s |")
-        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+              "rewrite, middle budget s (x step) | CPU s: step / middle budget (x) | "
+              "measured peak MiB: no budget / middle / plain step | peak RSS MB | breakdown s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.models.split(","):
         if args.fresh:
             subprocess.run([sys.executable, __file__, "--models", name, "--repeats", str(args.repeats),

@@ -4,7 +4,8 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxplan.measure import measure_step, measure_step_profiler, track_memory
+from fxplan.fakes import fake_copy
+from fxplan.measure import measure_fake, measure_step, measure_step_profiler, track_memory
 
 
 def small_cnn() -> nn.Module:
@@ -66,6 +67,25 @@ def test_fake_inputs_are_accepted_and_nothing_real_is_allocated():
     stats = measure_step(model, (x,))
     assert stats.meter == "fake tensors"
     assert stats.peak_bytes > 4096 * 3 * 16 * 16 * 4
+
+
+def test_steps_measured_on_one_fake_copy_start_as_the_first_did():
+    """measure_fake runs on the copy itself: each step must see the gradients it held before, not the last
+    step's (with them, backward would add into existing gradients and the peak would change)."""
+    model, x = small_cnn(), torch.randn(4, 3, 16, 16)
+    model(x).sum().backward()  # the model holds gradients, as without zero_grad
+    expected = measure_step(model, (x,), fake=True).peak_bytes
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    copy = fake_copy(model, fake_mode)
+    grads = [p.grad for p in copy.parameters()]
+    inputs = ((fake_mode.from_tensor(x),), {})
+    copy.zero_grad(set_to_none=True)
+    without = measure_step(copy, inputs[0]).peak_bytes
+    for p, g in zip(copy.parameters(), grads):
+        p.grad = g
+    peaks = [measure_fake(copy, inputs, fake_mode).peak_bytes for _ in range(3)]
+    assert peaks == [expected] * 3 and expected > without
+    assert all(p.grad is g for p, g in zip(copy.parameters(), grads))
 
 
 def test_measurement_leaves_the_model_untouched():
