@@ -24,9 +24,9 @@ bytes of live storages as :func:`fxplan.measure_step` does:
 Which inputs receive gradients is recorded by the trace's propagation (:mod:`fxplan.trace`), and how
 large the loss's gradients of the outputs are is probed on fake outputs (:func:`output_gradient`).
 The peak is the largest total, resident bytes (parameters, buffers, inputs, existing gradients)
-included. What it does not see: temporaries inside one op's
-kernel or inside a leaf module's backward (convolution workspaces, a crop taken as two slices) and
-the loss function's own tensors. docs/rewrite.md gives its residual error on the zoo (within 2.5%).
+included. What it does not see: temporaries inside one op's kernel or inside a leaf module's backward
+(convolution workspaces, a crop taken as two slices) and the loss function's own tensors.
+docs/rewrite.md gives its residual error on the zoo (within 2.5%).
 """
 
 from __future__ import annotations
