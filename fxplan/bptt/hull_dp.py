@@ -40,9 +40,12 @@ __all__ = ["T_LIMIT", "solve_tables"]
 
 #: Largest sequence length whose exact int64 arithmetic cannot overflow (products reach about t^3 / 2).
 T_LIMIT = 1_000_000
+#: The positions probed to bound a lane's scan are this far from LB's minimiser, then this factor further
+#: each time: a probe costs about as much as scanning a few positions.
+_REACH = 8
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy", inline="always")
 def _find(hx, n, col, x, k):
     """Index of the hull segment [hx[col, k], hx[col, k + 1]] of column ``col`` that contains the unit
     interval [x, x + 1] (for x at the last vertex, the last segment), walking from the guess ``k``: a
@@ -56,7 +59,7 @@ def _find(hx, n, col, x, k):
     return k
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy", inline="always")
 def _lb(hx, hy, n, a, b, lag, t, y, ka, kb):
     """LB(y) = y + hA(y - lag) + hB(t - y) as ``s + num / den`` with integers, 0 <= num / den < 2, and the
     segments found (the next look-ups' guesses). Each hull value is its floor plus remainder / width."""
@@ -70,7 +73,7 @@ def _lb(hx, hy, n, a, b, lag, t, y, ka, kb):
     return s, (na - fa * da) * db + (nb - fb * db) * da, da * db, ka, kb
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy", inline="always")
 def _lb_above(hx, hy, n, a, b, lag, t, y, bound, ka, kb):
     """Whether LB(y) > ``bound`` (exactly), and the segments found."""
     s, num, den, ka, kb = _lb(hx, hy, n, a, b, lag, t, y, ka, kb)
@@ -78,7 +81,7 @@ def _lb_above(hx, hy, n, a, b, lag, t, y, bound, ka, kb):
     return d >= 1 or (d >= -1 and d * den + num > 0), ka, kb
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy", inline="always")
 def _lb_rises(hx, n, hy, a, b, lag, t, y, ka, kb):
     """Whether LB(y + 1) >= LB(y): 1 + (slope of hA on [y - lag, y + 1 - lag]) - (slope of hB on
     [t - y - 1, t - y]) >= 0, exactly; and the segments found."""
@@ -89,7 +92,7 @@ def _lb_rises(hx, n, hy, a, b, lag, t, y, ka, kb):
     return dxa * dxb + dya * dxb - dyb * dxa >= 0, ka, kb
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _lane(CT, hx, hy, n, a, b, lag, t, y, ka, kb, cap):
     """Min over y = 2 .. t - 1 of Q(y) = y + C(y - lag, a) + C(t - y, b) and its smallest minimiser among
     the positions with Q(y) <= ``cap`` (position -1 where there is none: the caller's earlier candidates
@@ -121,20 +124,21 @@ def _lane(CT, hx, hy, n, a, b, lag, t, y, ka, kb, cap):
     # win with a cost <= q0 (a tie at a smaller position wins), right of it only with a smaller one.
     # Galloping outwards finds positions beyond which LB exceeds those bounds, so Q does too.
     left, right = min(q0, cap), min(q0 - 1, cap)
-    first, step, ja, jb = y - 1, 1, ka, kb
+    d, first, ja, jb = _REACH, y - _REACH, ka, kb
     while first >= lo:
         above, ja, jb = _lb_above(hx, hy, n, a, b, lag, t, first, left, ja, jb)
         if above:
             break
-        first = max(y - 2 * step, lo - 1) if first > lo else lo - 1
-        step *= 2
-    last, step, ja, jb = y + 1, 1, ka, kb
+        d *= _REACH
+        first = y - d
+    d, last, ja, jb = _REACH, y + _REACH, ka, kb
     while last <= hi and right >= floor:
         above, ja, jb = _lb_above(hx, hy, n, a, b, lag, t, last, right, ja, jb)
         if above:
             break
-        last = min(y + 2 * step, hi + 1) if last < hi else hi + 1
-        step *= 2
+        d *= _REACH
+        last = y + d
+    first, last = max(first, lo - 1), min(last, hi + 1)
     # Scan what is left from the left: the first smallest cost wins; none can be below ``floor``.
     best, by = cap + 1, -1
     for z in range(first + 1, last):
@@ -146,7 +150,7 @@ def _lane(CT, hx, hy, n, a, b, lag, t, y, ka, kb, cap):
     return best, by, y, ka, kb
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _push(hx, hy, n, col, x, c):
     """Append the point (x, c) to column ``col``'s lower hull (Andrew's monotone chain; collinear popped)."""
     k = n[col]
@@ -157,7 +161,7 @@ def _push(hx, hy, n, col, x, c):
     n[col] = k + 1
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")
 def _fill(CT, DT, HT, use_hidden, alpha, beta, big, hidden, internal):
     """Fill CT[m, t], DT, HT (memory-major) row by row for t = 1 .. t_max, m = 1 .. m_max.
 
