@@ -20,8 +20,15 @@ so on the left equal LB still has to be checked). Where the columns are convex, 
 appendix's walk; MSM columns stay close to their hulls, so a few positions usually suffice. Where they
 do not, it is slower, never wrong.
 
+A position matters only if it can win: if its cost is below the earlier candidates', at most the working
+step's, and at most C(t, m - 1). The last holds because more memory never costs more: by induction on
+t, every candidate for (t, m - 1) is one for (t, m) too, built from entries C(t', m') with t' < t that
+are no larger at m' + 1 (and C(0, .) = 0). So LB's minimum above that cap skips the lane, and the scan
+stops at the first position whose cost reaches LB's minimum rounded up, since none can cost less.
+
 All comparisons are exact integer arithmetic: a hull value is kept as floor plus remainder over the
-segment's width, so no product exceeds about t^3 (hence :data:`T_LIMIT`).
+segment's width, so no product exceeds about t^3 (hence :data:`T_LIMIT`). Memory: the hulls and the
+tables take about 50 bytes per table entry (100 MB at t = 10,000, m = 200).
 
 The kernel is compiled by numba on first use and cached on disk (``cache=True``: in ``__pycache__``
 beside this file, or numba's per-user cache directory where that is not writable; ``NUMBA_CACHE_DIR``

@@ -24,15 +24,11 @@ Memory units and what the DP guarantees (checked by :mod:`fxplan.bptt.schedule`)
                  when its input hidden state is already stored (y = 1). Stored states count, the working
                  one does not (as in HSM), so ``C(t, 1) = t(t+1)/2`` and ``C(t, m >= alpha*t) = t``.
 
-The rows are computed one sequence length ``t`` at a time, vectorised over all memory sizes with numpy,
-by one of three methods that give identical tables (:func:`_solve_dp`). Positions ``2 <= y < t``: where
-the columns ``C(., m)`` involved are convex in ``t`` (HSM and ISM; checked as the rows fill, not assumed)
-the cost is convex in ``y`` and its smallest minimiser never decreases with ``t``, so a walk from the
-previous minimiser finds it in O(1) amortised steps (the speed-up the paper's appendix A mentions;
-:func:`_solve_walk`). MSM's columns are not convex, so for MSM a window of positions is evaluated exactly
-and the columns' lower convex hulls prove that no other position does better (:mod:`fxplan.bptt.hull_dp`).
-The reference scans every position, bounded by ``Q >= t + y - 1`` with the best ``y = 1`` choice as upper
-bound.
+The tables are filled by one compiled kernel (:mod:`fxplan.bptt.hull_dp`, numba), which evaluates
+only the positions ``2 <= y < t`` that the lower convex hulls of the columns ``C(., m)`` cannot rule out:
+appendix A's convexity speed-up made exact for MSM, whose columns are not convex. Its tables are those
+of a scan of every position, ties included (the first minimum in the order hidden y = 1, internal
+y = 1, hidden y = 2 .. t - 1, internal y = 2 .. t - 1, y = t; ``tests/test_bptt_solvers.py``).
 """
 
 from __future__ import annotations
