@@ -123,7 +123,7 @@ def test_matches_brute_force(policy, alpha, beta):
     for t in (1, 7, 24):
         for m in (1, 3, 14):
             assert optimal_cost(policy, t, m, alpha=alpha, beta=beta) == C(t, m)
-    # the plain scan, the reference of test_solvers_give_the_plain_scans_tables, agrees with the recursion
+    # the plain scan, the reference of test_solver_gives_the_plain_scans_tables, agrees with the recursion
     use_hidden, a, b = {"hsm": (True, None, None), "ism": (False, 1, 1)}.get(policy, (True, alpha, beta or alpha))
     np.testing.assert_array_equal(plain_scan(T, M, use_hidden, a, b)[0][:, 1:], want[:, 1:].astype(np.int64))
 

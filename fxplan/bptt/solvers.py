@@ -74,7 +74,6 @@ def _alpha_beta(policy: str, alpha: int | None, beta: int | None) -> tuple[int |
     return int(alpha), int(beta)
 
 
-
 def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None):
     """Tables C, D, H (as ``C[t, m]``) of the recurrence in the module docstring, by the compiled kernel of
     :mod:`fxplan.bptt.hull_dp` (imported here, not at import time: numba takes a while to load)."""
