@@ -1,7 +1,8 @@
 """The BPTT dynamic program, compiled, with hull-certified positions (Gruslys et al. 2016, 3.1-3.4, appendix A).
 
 :func:`solve_tables` fills the tables C, D, H of the recurrence in :mod:`fxplan.bptt.solvers` exactly as
-an exhaustive scan of every position would, ties included, in about O(t m log t) instead of O(t^2 m).
+an exhaustive scan of every position would, ties included; it evaluates a few positions per entry in
+practice instead of t (O(t^2 m) remains the worst case, where the hulls bound nothing).
 
 Appendix A says the O(t^2 m) evaluation (Algorithm 1) can be made O(t m) "by exploiting convexity in t".
 That holds for HSM and ISM, whose columns ``C(., m)`` are convex (appendix B), but not for MSM: 96 of
