@@ -280,6 +280,7 @@ def peer_table(model: nn.Module, inputs: tuple, loss_fn, *, wanted: Sequence[str
 
 
 def markdown(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """The table in Markdown, to paste into docs/results.md."""
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
@@ -321,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows, cells = peer_table(model, inputs, entry.loss, wanted=wanted, rounds=args.rounds, threads=args.threads,
                                  block=args.block_class, compile_budgets=args.compile_budgets,
                                  log=lambda s, n=name: print(f"{n}: {s}", file=sys.stderr, flush=True))
-        block = next((r.module.fxplan_block_class for r in rows if r.name == "blocks" and r.module), None)
+        block = next((r.module.fxplan_block_class for r in rows if hasattr(r.module, "fxplan_block_class")), None)
         print(f"\n{name}, batch {batch}, {args.input_size}²" + (f" (block class: {block})" if block else ""))
         print(markdown(HEADER, cells) if args.markdown else format_table(HEADER, cells))
         print(meter_check(rows), flush=True)
