@@ -26,6 +26,11 @@ Moves are tried in order of the base plan's replayed per-segment peaks (segments
 near the peak first), at most ``MOVES_PER_ROUND`` per round and no more once ``PATIENCE`` of them in a
 row have not lowered the round's best, and at most ``MEASUREMENTS`` measurements per starting plan
 (fewer on large graphs), so planning time stays bounded on graphs with many segments.
+
+Once the lowest plan (peak P) is found, :meth:`NestedSearch.cheapen` undoes the moves that P does not
+need (at most ``CHEAPEN`` measurements), and every nested plan measured is kept with its peak and
+recompute fraction, so the planner returns the least recomputation among those that fit
+(:meth:`NestedSearch.cheapest`) rather than the lowest one.
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    ``strategy="memory"``), the nested search of :mod:`fxplan.nested` starts from the candidate of least
    measured peak, and from each other solver's smallest candidate (:meth:`Search._seeds`), and looks
    for a nested plan (sub-segments checkpointed inside segments) that measures lower; the lowest found
-   is taken (:meth:`Search.lowest`). It measures at most :func:`fxplan.nested.measurement_budget`
+   is taken (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan
+   returned is the least recomputation among the nested plans measured that fit
+   (:meth:`fxplan.nested.NestedSearch.cheapest`). It measures at most :func:`fxplan.nested.measurement_budget`
    candidates per starting plan (48, fewer above 500 nodes, none above 24,000). Where nesting gains nothing,
    results are the canonical search's; where it does, a budget below the canonical plans is met
    instead of refused.
