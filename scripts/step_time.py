@@ -5,8 +5,9 @@ Usage: python scripts/step_time.py [NAME ...] [--batch-size N] [--input-size H] 
 
 For each network (real tensors on the CPU, or CUDA when available) and each cost model of
 ``fxplan.trace`` (``flops``: the time model before fxplan.timecost; ``roofline``: the default): the
-time-centric plan at the smallest budget fxplan reaches, and at the budget halfway between that
-smallest measured peak (the least over the cost models) and vanilla's. All modules are then timed
+time-centric plan at the smallest budget fxplan reaches (nested plans included, as
+``fxplan.rewrite(model, None)``), and at the budget halfway between that smallest measured peak (the
+least over the cost models) and vanilla's. All modules are then timed
 together by :func:`fxplan.timing.time_interleaved` (warm-up round, rotated interleaved rounds, fixed
 thread count); the table gives each one's median step, its ratio to vanilla as the median and
 interquartile range of per-round ratios ("within noise" when that range contains 1.0), and the
@@ -59,7 +60,7 @@ def measure_network(name: str, args: argparse.Namespace, device: torch.device) -
         print(f"{name}: tracing and searching ({cm})", file=sys.stderr, flush=True)
         searches[cm] = Search(trace(model, inputs, cost_model=cm), model, inputs, solver="approx",
                               loss_fn=entry.loss)
-    smallest = min(s.smallest().measured for s in searches.values())
+    smallest = min(s.lowest().measured for s in searches.values())
     middle = (smallest + vanilla_peak) // 2
     modules = {"vanilla": model}
     for cm, search in searches.items():

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxplan.bptt import HIDDEN, INTERNAL, optimal_cost, simulate, solve
 from fxplan.errors import BudgetError, FxplanError
@@ -121,7 +123,7 @@ def test_matches_brute_force(policy, alpha, beta):
     for t in (1, 7, 24):
         for m in (1, 3, 14):
             assert optimal_cost(policy, t, m, alpha=alpha, beta=beta) == C(t, m)
-    # the plain scan, the reference of test_solvers_give_the_plain_scans_tables, agrees with the recursion
+    # the plain scan, the reference of test_solver_gives_the_plain_scans_tables, agrees with the recursion
     use_hidden, a, b = {"hsm": (True, None, None), "ism": (False, 1, 1)}.get(policy, (True, alpha, beta or alpha))
     np.testing.assert_array_equal(plain_scan(T, M, use_hidden, a, b)[0][:, 1:], want[:, 1:].astype(np.int64))
 
@@ -165,33 +167,46 @@ def _cases():
     """(T, M, use_hidden, alpha, beta): HSM, ISM and MSM, including beta < alpha and alpha = 1."""
     fixed = [(260, 60, True, None, None), (200, 45, False, 1, 1), (300, 70, True, 5, 4), (257, 90, True, 3, 2),
              (150, 150, True, 2, 1), (240, 30, True, 7, 7), (120, 200, True, 1, 1), (33, 17, True, 5, 4),
-             (3, 5, True, 2, 2), (18, 1, True, 3, 3)]
+             (3, 5, True, 2, 2), (18, 1, True, 3, 3), (1, 4, True, 2, 1), (2, 3, False, 1, 1), (400, 12, True, 9, 3)]
     rng = np.random.default_rng(2016)
     rand = []
-    for _ in range(14):
-        alpha = int(rng.integers(1, 9))
-        beta = int(rng.integers(1, alpha + 1))
-        rand.append((int(rng.integers(3, 320)), int(rng.integers(1, 130)), True, alpha, beta))
+    for i in range(40):
+        if i % 8 == 0:  # HSM
+            rand.append((int(rng.integers(3, 320)), int(rng.integers(1, 130)), True, None, None))
+        elif i % 8 == 1:  # ISM
+            rand.append((int(rng.integers(3, 320)), int(rng.integers(1, 130)), False, 1, 1))
+        else:
+            alpha = int(rng.integers(1, 12))
+            beta = int(rng.integers(1, alpha + 1))
+            rand.append((int(rng.integers(3, 320)), int(rng.integers(1, 130)), True, alpha, beta))
     return fixed + rand
 
 
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: "T{}-M{}-{}-{}-{}".format(*c))
-def test_solvers_give_the_plain_scans_tables(case):
-    """Every method (hull-certified windows, convexity walk, bounded scan) gives the plain scan's C, D and H,
-    ties included, also where the columns are not convex (MSM)."""
+def test_solver_gives_the_plain_scans_tables(case):
+    """The compiled hull-certified solver gives the plain scan's C, D and H, ties included, also where the
+    columns are not convex (MSM)."""
     from fxplan.bptt.solvers import _solve_dp
 
-    T, M = case[:2]
-    want = plain_scan(*case)
-    for method in ("hull", "walk", "scan"):
-        got = _solve_dp(*case, method=method)
-        for name, a, b in zip("CDH", got, want):
-            np.testing.assert_array_equal(a[:, 1:], b[:, 1:], err_msg=f"{method} {name}")
+    for name, a, b in zip("CDH", _solve_dp(*case), plain_scan(*case)):  # m = 0 included: infeasible
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@settings(max_examples=150, deadline=None)
+@given(t=st.integers(1, 70), m=st.integers(1, 50), kind=st.sampled_from(["hsm", "ism", "msm"]),
+       alpha=st.integers(1, 10), beta_frac=st.floats(0, 1))
+def test_solver_gives_the_plain_scans_tables_random(t, m, kind, alpha, beta_frac):
+    from fxplan.bptt.solvers import _solve_dp
+
+    case = {"hsm": (t, m, True, None, None), "ism": (t, m, False, 1, 1)}.get(
+        kind, (t, m, True, alpha, 1 + round(beta_frac * (alpha - 1))))
+    for name, a, b in zip("CDH", _solve_dp(*case), plain_scan(*case)):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_msm_columns_are_not_convex():
     """Why MSM needs more than appendix A's convexity walk: its columns have negative second differences
-    (so the hull method's proof, not convexity, is what makes its windows exact)."""
+    (so the hull bound, not convexity, is what makes the solver exact there)."""
     C = solve("msm", 1000, 100, alpha=5, beta=4).C.astype(np.int64)
     second = C[2:, 1:] - 2 * C[1:-1, 1:] + C[:-2, 1:]
     assert ((second < 0).any(axis=0)).sum() >= 90
@@ -199,21 +214,18 @@ def test_msm_columns_are_not_convex():
     assert (hsm[2:, 1:] - 2 * hsm[1:-1, 1:] + hsm[:-2, 1:] >= 0).all()
 
 
-def test_hull_method_large_msm_matches_scan():
-    """Long sequences, where most positions are proven away rather than evaluated."""
+def test_large_msm_matches_scan():
+    """Long sequences, where most positions are proven away rather than evaluated, and many positions tie."""
     from fxplan.bptt.solvers import _solve_dp
 
-    for a, b in zip(_solve_dp(1500, 60, True, 5, 4, method="hull"), _solve_dp(1500, 60, True, 5, 4, method="scan")):
+    for a, b in zip(_solve_dp(1500, 60, True, 5, 4), plain_scan(1500, 60, True, 5, 4)):
         np.testing.assert_array_equal(a, b)
 
 
-def test_solver_method_errors():
+def test_solver_limit_error():
     from fxplan.bptt.hull_dp import T_LIMIT, solve_tables
-    from fxplan.bptt.solvers import _solve_dp
 
-    with pytest.raises(FxplanError, match="unknown BPTT solver method"):
-        _solve_dp(10, 3, True, 2, 2, method="fast")
-    with pytest.raises(FxplanError, match="method='walk'"):
+    with pytest.raises(FxplanError, match="chunks"):
         solve_tables(T_LIMIT + 1, 3, True, 2, 2)
 
 

@@ -1,316 +1,234 @@
-"""The BPTT dynamic program with hull-certified windows (Gruslys et al. 2016, sections 3.3-3.4, appendix A).
+"""The BPTT dynamic program, compiled, with hull-certified positions (Gruslys et al. 2016, 3.1-3.4, appendix A).
 
-:func:`solve_tables` fills the same tables C, D, H as the exhaustive scan of
-:func:`fxplan.bptt.solvers._solve_walk` (``walk=False``), ties included, in about O(t m) instead of
-O(t^2 m) numpy work: the speed-up appendix A mentions, which there rests on the columns ``C(., m)`` being
-convex in t. That holds for HSM and ISM but not for MSM, whose columns have small dents (96 of 100 at
-t = 1000, alpha = 5, beta = 4 have a negative second difference; in the tables measured, t <= 3000 and
-m <= 200, each column stays within one operation of its lower convex hull). So this module does not
-assume convexity: it evaluates a few positions exactly and proves with the columns' hulls that no other
-position does better; where the hulls are far from the columns it is slower, never wrong. Memory: the
-hulls take 32 bytes per table entry, on top of the tables' 17.
+:func:`solve_tables` fills the tables C, D, H of the recurrence in :mod:`fxplan.bptt.solvers` exactly as
+an exhaustive scan of every position would, ties included; it evaluates a few positions per entry in
+practice instead of t (O(t^2 m) remains the worst case, where the hulls bound nothing).
+
+Appendix A says the O(t^2 m) evaluation (Algorithm 1) can be made O(t m) "by exploiting convexity in t".
+That holds for HSM and ISM, whose columns ``C(., m)`` are convex (appendix B), but not for MSM: 96 of
+100 MSM columns at t = 1000, alpha = 5, beta = 4 have a negative second difference. So nothing here
+assumes convexity. For a push of one kind at row t and memory m the cost of position y is::
+
+    Q(y) = y + A(y - lag) + B(t - y),   2 <= y <= t - 1,
+
+with A = C(., m) and B = C(., m - 1) for a hidden push (lag 0, eq. (1)/(6)), and B = C(., m - alpha) for an
+internal one (lag 1, eq. (7)/(10)). With hA, hB the lower convex hulls of those columns over the rows
+filled so far, ``LB(y) = y + hA(y - lag) + hB(t - y)`` is convex in y and at most Q(y). The kernel finds
+LB's smallest minimiser y* (walking from the previous row's), evaluates Q there, and then evaluates Q at
+the positions left and right of y* only while LB does not exceed the best cost found: since LB is
+monotone on either side of y*, every position beyond is provably worse (ties: a smaller position wins,
+so on the left equal LB still has to be checked). Where the columns are convex, LB = Q and this is the
+appendix's walk; MSM columns stay close to their hulls, so a few positions usually suffice. Where they
+do not, it is slower, never wrong.
+
+A position matters only if it can win: if its cost is below the earlier candidates', at most the working
+step's, and at most C(t, m - 1). The last holds because more memory never costs more: by induction on
+t, every candidate for (t, m - 1) is one for (t, m) too, built from entries C(t', m') with t' < t that
+are no larger at m' + 1 (and C(0, .) = 0). So LB's minimum above that cap skips the lane, and the scan
+stops at the first position whose cost reaches LB's minimum rounded up, since none can cost less.
+
+All comparisons are exact integer arithmetic: a hull value is kept as floor plus remainder over the
+segment's width, so no product exceeds about t^3 (hence :data:`T_LIMIT`). Memory: the hulls and the
+tables take about 50 bytes per table entry (100 MB at t = 10,000, m = 200).
+
+The kernel is compiled by numba on first use and cached on disk (``cache=True``: in ``__pycache__``
+beside this file, or numba's per-user cache directory where that is not writable; ``NUMBA_CACHE_DIR``
+overrides both).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from fxplan.bptt.policy import HIDDEN, INF, INTERNAL
 from fxplan.errors import FxplanError
 
-__all__ = ["T_LIMIT", "cost_table", "solve_tables"]
+__all__ = ["T_LIMIT", "solve_tables"]
+
+#: Largest sequence length whose exact int64 arithmetic cannot overflow (products reach about t^3 / 2).
+T_LIMIT = 1_000_000
+#: The positions probed to bound a lane's scan are this far from LB's minimiser, then this factor further
+#: each time: a probe costs about as much as scanning a few positions.
+_REACH = 8
 
 
-class _Hulls:
-    """Lower convex hulls of the columns ``t' -> C(t', m)``, m = 1 .. m_max, of the rows pushed so far.
-
-    A column's hull is a convex function below every entry of the column, which bounds the costs Q1 and Q2
-    from below (see :func:`solve_tables`). The vertices of column ``j`` (0-based) are kept at flat indices
-    ``j * cap ..`` of ``x`` and ``y``; ``key = j * cap + x`` (``j * cap + cap - 1`` past the last vertex) is
-    sorted over all columns, so one ``searchsorted`` finds the segments of many columns at once.
-    """
-
-    def __init__(self, m_max: int, t_max: int) -> None:
-        self.cap = cap = t_max + 2
-        self.base = np.arange(m_max, dtype=np.int64) * cap
-        self.x = np.zeros(m_max * cap, dtype=np.int64)
-        self.y = np.zeros(m_max * cap, dtype=np.int64)
-        self.key = np.repeat(self.base + cap - 1, cap)
-        self.n = np.zeros(m_max, dtype=np.int64)
-        # seg[j * cap + p]: flat index of the vertex starting the segment that contained p when last
-        # looked up (or p's own vertex when pushed); checked on use, so stale entries only cost a search
-        self.seg = np.zeros(m_max * cap, dtype=np.int64)
-
-    def push(self, t: int, c: np.ndarray) -> None:
-        """Append the point ``(t, c[j])`` to every column ``j`` (Andrew's monotone chain, collinear popped)."""
-        act = np.flatnonzero(self.n >= 2)
-        while act.size:
-            i1 = self.base[act] + self.n[act] - 1
-            x2, y2 = self.x[i1 - 1], self.y[i1 - 1]
-            pop = (self.x[i1] - x2) * (c[act] - y2) <= (self.y[i1] - y2) * (t - x2)
-            act, i1 = act[pop], i1[pop]
-            self.n[act] -= 1
-            self.key[i1] = self.base[act] + self.cap - 1
-            act = act[self.n[act] >= 2]
-        i = self.base + self.n
-        self.x[i], self.y[i], self.key[i], self.seg[self.base + t] = t, c, self.base + t, i
-        self.n += 1
-
-    def segments(self, col: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, ...]:
-        """``(x0, y0, dx, dy)`` of the hull segment of column ``col`` that contains position ``p`` (the
-        last segment for a position at or past the last vertex): the hull there is
-        ``y0 + dy * (p - x0) / dx``, and ``dy / dx`` is one of its subgradients."""
-        q = self.base[col] + p
-        k = self.seg[q]
-        last = self.base[col] + self.n[col] - 2  # the last segment's start
-        bad = np.flatnonzero((k > last) | (k < self.base[col]) | (self.x[k] > p)
-                             | (self.x[np.minimum(k + 1, last + 1)] <= p))
-        if bad.size:
-            kb = np.searchsorted(self.key, q[bad], side="right") - 1
-            k[bad] = self.seg[q[bad]] = np.minimum(kb, last[bad])
-        x0, y0 = self.x[k], self.y[k]
-        return x0, y0, self.x[k + 1] - x0, self.y[k + 1] - y0
+@njit(cache=True, error_model="numpy", inline="always")
+def _find(hx, n, col, x, k):
+    """Index of the hull segment [hx[col, k], hx[col, k + 1]] of column ``col`` that contains the unit
+    interval [x, x + 1] (for x at the last vertex, the last segment), walking from the guess ``k``: a
+    lane's positions move little between the look-ups, so the walk is short."""
+    last = n[col] - 2
+    k = min(k, last)
+    while k > 0 and hx[col, k] > x:
+        k -= 1
+    while k < last and hx[col, k + 1] <= x:
+        k += 1
+    return k
 
 
-#: Costs and positions are packed as ``cost << _YBITS | y``, so that one ``min`` finds the smallest cost at
-#: its smallest position (y < 2 ** _YBITS; costs stay below 2 ** 40 for t <= T_LIMIT).
-_YBITS = 16
+@njit(cache=True, error_model="numpy", inline="always")
+def _lb(hx, hy, n, a, b, lag, t, y, ka, kb):
+    """LB(y) = y + hA(y - lag) + hB(t - y) as ``s + num / den`` with integers, 0 <= num / den < 2, and the
+    segments found (the next look-ups' guesses). Each hull value is its floor plus remainder / width."""
+    ka = _find(hx, n, a, y - lag, ka)
+    kb = _find(hx, n, b, t - y, kb)
+    da, db = hx[a, ka + 1] - hx[a, ka], hx[b, kb + 1] - hx[b, kb]
+    na = (hy[a, ka + 1] - hy[a, ka]) * (y - lag - hx[a, ka])
+    nb = (hy[b, kb + 1] - hy[b, kb]) * (t - y - hx[b, kb])
+    fa, fb = na // da, nb // db  # floor division, also on a decreasing segment
+    s = y + hy[a, ka] + fa + hy[b, kb] + fb
+    return s, (na - fa * da) * db + (nb - fb * db) * da, da * db, ka, kb
 
 
-def _window_min(flat, width: int, arow, brow, lag, t, lo, hi, w: int):
-    """Per lane: min over y in [lo, hi] (at most ``w`` positions) of y + CT[arow, y - lag] + CT[brow, t - y],
-    and its smallest minimiser."""
-    ys = np.minimum(lo[:, None] + np.arange(w), hi[:, None])  # repeats of hi: no smaller position
-    q = ys + flat[(arow * width - lag)[:, None] + ys] + flat[(brow * width + t)[:, None] - ys]
-    key = ((q << _YBITS) | ys).min(axis=1)
-    return key >> _YBITS, key & ((1 << _YBITS) - 1)
+@njit(cache=True, error_model="numpy", inline="always")
+def _lb_above(hx, hy, n, a, b, lag, t, y, bound, ka, kb):
+    """Whether LB(y) > ``bound`` (exactly), and the segments found."""
+    s, num, den, ka, kb = _lb(hx, hy, n, a, b, lag, t, y, ka, kb)
+    d = s - bound
+    return d >= 1 or (d >= -1 and d * den + num > 0), ka, kb
 
 
-def _certified(hulls: _Hulls, acol, bcol, lag, t, lo, hi, v, cap, ylb, dom_lo, dom_hi):
-    """Whether no position outside [lo, hi] changes the row's answer, per lane.
-
-    Needed: every y in [dom_lo, lo) costs more than min(v, cap) and every y in (hi, dom_hi] at least
-    min(v, cap + 1), where ``v`` is the window's minimum and ``cap`` the largest value with which the lane
-    can still win: so either the window's smallest minimiser is the domain's, or the lane loses anyway.
-    With hA, hB the hulls of the columns of A and B (lower bounds over the domain),
-    LB(y) = y + hA(y - lag) + hB(t - y) <= Q(y) is convex and piecewise linear in y. A side is proven by
-    LB's value and slope at the position next to the window (LB > threshold there and not decreasing away
-    from the window), or by LB's minimum, at ``ylb`` when its left and right slopes there have opposite
-    signs (:func:`_lb_minimiser` walks ``ylb`` there). Exact integer arithmetic.
-    """
-    n = len(lo)
-    ylb = np.clip(ylb, dom_lo, dom_hi)
-    # positions y: left edge, right edge, ylb twice (for its left and right slopes)
-    ys = np.concatenate([lo - 1, hi + 1, ylb, ylb])
-    lag4 = np.tile(lag, 4)
-    pa, pb = ys - lag4, np.tile(t, 4) - ys  # where A and B are evaluated
-    # Subgradients: for y decreasing (left edge, ylb's left slope) A's segment ending at pa and B's
-    # starting at pb; for y increasing the opposite.
-    back = np.repeat([1, 0, 1, 0], n)
-    xa, ya, dxa, dya = hulls.segments(np.tile(acol, 4), np.maximum(pa - back, 0))
-    xb, yb, dxb, dyb = hulls.segments(np.tile(bcol, 4), np.maximum(pb - 1 + back, 0))
-    thr = np.tile(np.concatenate([np.minimum(v, cap), np.minimum(v - 1, cap)]), 2)
-    # LB(y) > thr, both sides multiplied by dxa * dxb > 0
-    above = ((ys + ya + yb - thr) * dxa * dxb + dya * (pa - xa) * dxb + dyb * (pb - xb) * dxa) > 0
-    # the slope of LB, 1 + dya/dxa - dyb/dxb, times dxa * dxb
-    slope = (dxa + dya) * dxb - dyb * dxa
-    left, right, at_min_l, at_min_r = (slice(k * n, (k + 1) * n) for k in range(4))
-    is_min = (slope[at_min_l] <= 0) & (slope[at_min_r] >= 0)
-    ok_left = (lo <= dom_lo) | (above[left] & (slope[left] <= 0)) | (is_min & above[at_min_l])
-    ok_right = (hi >= dom_hi) | (above[right] & (slope[right] >= 0)) | (is_min & above[at_min_r])
-    return ok_left, ok_right
+@njit(cache=True, error_model="numpy", inline="always")
+def _lb_rises(hx, n, hy, a, b, lag, t, y, ka, kb):
+    """Whether LB(y + 1) >= LB(y): 1 + (slope of hA on [y - lag, y + 1 - lag]) - (slope of hB on
+    [t - y - 1, t - y]) >= 0, exactly; and the segments found."""
+    ka = _find(hx, n, a, y - lag, ka)
+    kb = _find(hx, n, b, t - y - 1, kb)
+    dxa, dya = hx[a, ka + 1] - hx[a, ka], hy[a, ka + 1] - hy[a, ka]
+    dxb, dyb = hx[b, kb + 1] - hx[b, kb], hy[b, kb + 1] - hy[b, kb]
+    return dxa * dxb + dya * dxb - dyb * dxa >= 0, ka, kb
 
 
-def _lb_minimiser(hulls: _Hulls, acol, bcol, lag, t, y, lo, hi, steps: int = 8):
-    """Walk ``y`` towards LB's minimiser in [lo, hi] (see :func:`_certified`) over LB's breakpoints, the
-    ends of A's and B's hull segments, at most ``steps`` of them: LB's minimiser moves little from one
-    row to the next, so the previous one plus a few steps usually reaches it."""
-    act = np.arange(len(y))
-    for _ in range(steps):
-        yy, n = y[act], len(act)
-        pa, pb = np.tile(yy - lag[act], 2), np.tile(t[act] - yy, 2)
-        back = np.repeat([1, 0], n)
-        xa, _, dxa, dya = hulls.segments(np.tile(acol[act], 2), np.maximum(pa - back, 0))
-        xb, _, dxb, dyb = hulls.segments(np.tile(bcol[act], 2), np.maximum(pb - 1 + back, 0))
-        slope = (dxa + dya) * dxb - dyb * dxa
-        up = np.minimum(xa[n:] + dxa[n:] + lag[act], t[act] - xb[n:])
-        down = np.maximum(xa[:n] + lag[act], t[act] - xb[:n] - dxb[:n])
-        ny = np.clip(np.where(slope[n:] < 0, up, np.where(slope[:n] > 0, down, yy)), lo[act], hi[act])
-        moved = ny != yy
-        y[act] = ny
-        act = act[moved]
-        if not act.size:
+@njit(cache=True, error_model="numpy")
+def _lane(CT, hx, hy, n, a, b, lag, t, y, ka, kb, cap):
+    """Min over y = 2 .. t - 1 of Q(y) = y + C(y - lag, a) + C(t - y, b) and its smallest minimiser among
+    the positions with Q(y) <= ``cap`` (position -1 where there is none: the caller's earlier candidates
+    are cheaper); also LB's smallest minimiser and its segments, the next row's guesses ``y, ka, kb``.
+    See the module docstring."""
+    lo, hi = 2, t - 1
+    y = min(max(y, lo), hi)
+    # LB's slopes do not decrease (convex), so its smallest minimiser is the first y whose slope is >= 0.
+    rises, ka, kb = _lb_rises(hx, n, hy, a, b, lag, t, y, ka, kb) if y < hi else (True, ka, kb)
+    if not rises:
+        y += 1
+        while y < hi:
+            rises, ka, kb = _lb_rises(hx, n, hy, a, b, lag, t, y, ka, kb)
+            if rises:
+                break
+            y += 1
+    else:
+        while y > lo:
+            rises, ka, kb = _lb_rises(hx, n, hy, a, b, lag, t, y - 1, ka, kb)
+            if not rises:
+                break
+            y -= 1
+    s, num, den, ka, kb = _lb(hx, hy, n, a, b, lag, t, y, ka, kb)
+    floor = s + (0 if num == 0 else (1 if num <= den else 2))  # ceil(LB(y)): no position costs less
+    if floor > cap:
+        return cap + 1, -1, y, ka, kb
+    q0 = y + CT[a, y - lag] + CT[b, t - y]
+    # LB does not increase from lo up to y and does not decrease from y up to hi. Positions left of y can
+    # win with a cost <= q0 (a tie at a smaller position wins), right of it only with a smaller one.
+    # Galloping outwards finds positions beyond which LB exceeds those bounds, so Q does too.
+    left, right = min(q0, cap), min(q0 - 1, cap)
+    d, first, ja, jb = _REACH, y - _REACH, ka, kb
+    while first >= lo:
+        above, ja, jb = _lb_above(hx, hy, n, a, b, lag, t, first, left, ja, jb)
+        if above:
             break
-    return y
+        d *= _REACH
+        first = y - d
+    d, last, ja, jb = _REACH, y + _REACH, ka, kb
+    while last <= hi and right >= floor:
+        above, ja, jb = _lb_above(hx, hy, n, a, b, lag, t, last, right, ja, jb)
+        if above:
+            break
+        d *= _REACH
+        last = y + d
+    first, last = max(first, lo - 1), min(last, hi + 1)
+    # Scan what is left from the left: the first smallest cost wins; none can be below ``floor``.
+    best, by = cap + 1, -1
+    for z in range(first + 1, last):
+        q = z + CT[a, z - lag] + CT[b, t - z]
+        if q < best:
+            best, by = q, z
+            if q == floor:
+                break
+    return best, by, y, ka, kb
 
 
-#: Positions evaluated exactly per (t, m) and kind before the bounds are checked, and rows per block
-#: (measured best of 8 .. 64 on a 2-core CPU at t = 1000, m = 100 and t = 3000, m = 200).
-_WINDOW = 16
-_BLOCK = 16
-#: Largest t for which the exact int64 arithmetic of :func:`_certified` cannot overflow (it reaches
-#: about 3 t^4).
-T_LIMIT = 30_000
+@njit(cache=True, error_model="numpy")
+def _push(hx, hy, n, col, x, c):
+    """Append the point (x, c) to column ``col``'s lower hull (Andrew's monotone chain; collinear popped)."""
+    k = n[col]
+    while k >= 2 and (hx[col, k - 1] - hx[col, k - 2]) * (c - hy[col, k - 2]) <= \
+            (hy[col, k - 1] - hy[col, k - 2]) * (x - hx[col, k - 2]):
+        k -= 1
+    hx[col, k], hy[col, k] = x, c
+    n[col] = k + 1
+
+
+@njit(cache=True, error_model="numpy")
+def _fill(CT, DT, HT, use_hidden, alpha, beta, big, hidden, internal):
+    """Fill CT[m, t], DT, HT (memory-major) row by row for t = 1 .. t_max, m = 1 .. m_max.
+
+    Candidates per entry, in the order that wins ties (a later one replaces only a strictly smaller
+    cost; the paper's Algorithm 1 keeps the first minimum): hidden push at y = 1, internal push at
+    y = 1 (costing ``beta``, 3.4), hidden pushes at y = 2 .. t - 1, internal pushes at y = 2 .. t - 1,
+    and the working step y = t (eq. (4) at y = t). ``alpha == 0``: no internal pushes but the working step.
+    """
+    m_max, t_max = CT.shape[0] - 1, CT.shape[1] - 1
+    hx = np.zeros((m_max + 1, t_max + 1), dtype=np.int64)
+    hy = np.zeros((m_max + 1, t_max + 1), dtype=np.int64)
+    n = np.zeros(m_max + 1, dtype=np.int64)
+    # per kind (hidden, internal) and m: LB's last minimiser and its segments in the A and B columns
+    start = np.full((2, m_max + 1), 2, dtype=np.int64)
+    seg_a = np.zeros((2, m_max + 1), dtype=np.int64)
+    seg_b = np.zeros((2, m_max + 1), dtype=np.int64)
+    for m in range(1, m_max + 1):
+        CT[m, 0] = 0
+        _push(hx, hy, n, m, 0, 0)
+    for t in range(1, t_max + 1):
+        for m in range(1, m_max + 1):
+            best, bd, bh = big, 0, internal
+            if t > 1 and use_hidden and m >= 2:
+                best, bd, bh = 1 + CT[m, 1] + CT[m - 1, t - 1], 1, hidden
+            if t > 1 and alpha > 0 and m - beta >= 1:
+                v = 1 + CT[m - beta, t - 1]
+                if v < best:
+                    best, bd, bh = v, 1, internal
+            work = t + CT[m, t - 1]
+            # A lane position matters only below the earlier candidates, at most the working step, and at
+            # most C(t, m - 1): more memory never costs more (module docstring), so C(t, m) <= C(t, m - 1).
+            cap = min(work, CT[m - 1, t])
+            if t >= 3 and use_hidden and m >= 2:
+                v, y, start[0, m], seg_a[0, m], seg_b[0, m] = _lane(
+                    CT, hx, hy, n, m, m - 1, 0, t, start[0, m], seg_a[0, m], seg_b[0, m], min(best - 1, cap))
+                if y > 0:
+                    best, bd, bh = v, y, hidden
+            if t >= 3 and alpha > 0 and m - alpha >= 1:
+                v, y, start[1, m], seg_a[1, m], seg_b[1, m] = _lane(
+                    CT, hx, hy, n, m, m - alpha, 1, t, start[1, m], seg_a[1, m], seg_b[1, m], min(best - 1, cap))
+                if y > 0:
+                    best, bd, bh = v, y, internal
+            if work < best:
+                best, bd, bh = work, t, internal
+            CT[m, t], DT[m, t], HT[m, t] = best, bd, bh
+        for m in range(1, m_max + 1):  # after the row: row t's lanes read the hulls of rows < t only
+            _push(hx, hy, n, m, t, CT[m, t])
 
 
 def solve_tables(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None):
-    """Tables C, D, H (as ``C[t, m]``) of the recurrence in :mod:`fxplan.bptt.solvers` for t <= t_max
-    (at most :data:`T_LIMIT`), m <= m_max; ``alpha is None``: no internal pushes but the working step (HSM).
-
-    The first push at y = 1 and the working step y = t are evaluated directly. Positions y = 2 .. t - 1:
-    Q1(y) = y + A(y) + B(t - y) with A = C(., m), B = C(., m - 1)
-    (Q2: A(y) = C(y - 1, m), B = C(., m - alpha)); one "lane" per kind and m. Appendix A's O(t m) speed-up
-    rests on the columns being convex in t, which holds for HSM and ISM but not for MSM (96 of 100
-    columns at t = 1000, alpha = 5, beta = 4 have a negative second difference). So instead of assuming
-    convexity, each lane evaluates a window of positions around its previous minimiser exactly and proves
-    with the columns' lower convex hulls hA, hB (:class:`_Hulls`) that no position outside it does
-    better: LB(y) = y + hA(y - lag) + hB(t - y) <= Q(y) is convex in y (:func:`_certified`). Where the
-    proof fails the window grows on that side until it holds, so the tables are exactly the scan's, ties
-    included. MSM columns stay within 1 of their hulls, so a few positions usually suffice.
-
-    Rows are taken in blocks of ``_BLOCK`` from t0: the positions of rows t0 .. t0 + _BLOCK - 1 that only
-    read rows before t0 (A(y - lag), B(t - y) with y - lag, t - y < t0) are solved for the whole block at
-    once with the hulls of rows 0 .. t0 - 1 (:func:`_block_middle`); the few others, next to y = 2 and
-    y = t - 1, are evaluated exactly row by row.
-    """
+    """Tables C, D, H (indexed ``C[t, m]``) of the recurrence in :mod:`fxplan.bptt.solvers` for t <= t_max
+    (at most :data:`T_LIMIT`), m <= m_max; ``alpha is None``: no internal pushes but the working step
+    (HSM). ``C[t, 0]`` is INF for t >= 1 (no memory), ``C[0, m] = 0``."""
     if t_max > T_LIMIT:
-        raise FxplanError(f"the hull-certified BPTT solver supports t <= {T_LIMIT}, got {t_max}; use "
-                          "method='walk' (exact, slower)")
-    CT, pad = cost_table(t_max, m_max, alpha, beta)
-    flat, width = CT.reshape(-1), t_max + 1
+        raise FxplanError(f"the BPTT solver supports sequence lengths t <= {T_LIMIT:,} (exact int64 "
+                          f"arithmetic), got {t_max:,}; split the sequence into chunks of at most that length")
+    CT = np.full((m_max + 1, t_max + 1), INF, dtype=np.int64)
+    CT[0, 0] = 0
     DT = np.zeros((m_max + 1, t_max + 1), dtype=np.int64)
     HT = np.zeros((m_max + 1, t_max + 1), dtype=np.int8)
-    cols = slice(pad + 1, pad + m_max + 1)  # m = 1 .. m_max
-    ms = np.arange(1, m_max + 1)
-    # Lanes: one per (kind, m) whose B column exists; hidden lanes first.
-    kinds = []
-    if use_hidden:
-        kinds.append((ms[ms - 1 >= 1], 1, 0))
-    if alpha is not None:
-        kinds.append((ms[ms - alpha >= 1], alpha, 1))
-    lanes = _Lanes(
-        m=np.concatenate([k[0] for k in kinds]).astype(np.int64),
-        arow=np.concatenate([pad + k[0] for k in kinds]).astype(np.int64),
-        brow=np.concatenate([pad + k[0] - k[1] for k in kinds]).astype(np.int64),
-        lag=np.concatenate([np.full(len(k[0]), k[2]) for k in kinds]).astype(np.int64),
-        pad=pad,
-        width=width,
-    )
-    # Candidates per m, in the order that wins ties (the scan's order: a later candidate replaces only a
-    # strictly larger cost): hidden at y = 1, internal at y = 1, the hidden lane, the internal lane, and
-    # the working step y = t. argmin over them keeps the first minimum.
-    cand_v = np.full((5, m_max), INF, dtype=np.int64)
-    cand_y = np.ones((5, m_max), dtype=np.int64)
-    cand_h = np.array([HIDDEN, INTERNAL, HIDDEN, INTERNAL, INTERNAL], dtype=np.int8)
-    lane_slot = 2 + lanes.lag  # hidden lanes have lag 0, internal lanes lag 1
-    ar = np.arange(m_max)
-    hulls = _Hulls(m_max, t_max)
-    hulls.push(0, CT[cols, 0])
-    for t in range(1, t_max + 1):
-        if t > 1 and use_hidden:
-            cand_v[0] = 1 + CT[pad + 1 : pad + m_max + 1, 1] + CT[pad : pad + m_max, t - 1]
-        if t > 1 and alpha is not None:
-            cand_v[1] = 1 + CT[pad + 1 - beta : pad + m_max + 1 - beta, t - 1]
-        if (t - 1) % _BLOCK == 0:
-            t0 = t
-            mid = _block_middle(flat, width, hulls, lanes, t0, min(t0 + _BLOCK, t_max + 1))
-        if t >= 3 and len(lanes.m):
-            v, y = _row_lanes(flat, lanes, t, t0, mid[0][t - t0], mid[1][t - t0])
-            cand_v[lane_slot, lanes.m - 1], cand_y[lane_slot, lanes.m - 1] = v, y
-        cand_v[4], cand_y[4] = t + CT[cols, t - 1], t  # eq. (4) at y = t: all memory for the left t - 1
-        k = np.argmin(cand_v, axis=0)
-        CT[cols, t], DT[1:, t], HT[1:, t] = np.minimum(cand_v[k, ar], INF), cand_y[k, ar], cand_h[k]
-        hulls.push(t, CT[cols, t])
-    return CT[pad:, :].T.copy(), DT.T.copy(), HT.T.copy()
-
-
-def cost_table(t_max: int, m_max: int, alpha: int | None, beta: int | None) -> tuple[np.ndarray, int]:
-    """CT[pad + m, t] (memory-major, so that reductions over y run along contiguous rows), with ``pad``
-    rows of INF standing for negative memory and C(0, m) = 0."""
-    pad = max(alpha or 1, beta or 1)
-    CT = np.full((pad + m_max + 1, t_max + 1), INF, dtype=np.int64)
-    CT[:, 0] = 0
-    return CT, pad
-
-
-class _Lanes:
-    """The lanes of :func:`solve_tables`: CT rows of A and B, lag, and the state carried between rows."""
-
-    def __init__(self, m, arow, brow, lag, pad: int, width: int) -> None:
-        self.m, self.arow, self.brow, self.lag = m, arow, brow, lag
-        self.a_at, self.b_at = (arow * width - lag)[:, None], (brow * width)[:, None]  # + y, + t - y: flat
-        self.acol, self.bcol = arow - pad - 1, brow - pad - 1  # hull columns
-        self.y = np.full(len(m), 2, dtype=np.int64)  # the last row's minimiser
-        # the lane of the other kind with the same m (-1: none)
-        other = {(int(mm), int(g)): i for i, (mm, g) in enumerate(zip(m, lag))}
-        self.other = np.array([other.get((int(mm), 1 - int(g)), -1) for mm, g in zip(m, lag)], dtype=np.int64)
-        self.ylb = np.full(len(m), 2, dtype=np.int64)  # LB's minimiser, tracked (see _certified)
-
-
-def _block_middle(flat, width: int, hulls: _Hulls, lanes: _Lanes, t0: int, t1: int):
-    """For rows t0 .. t1 - 1 and every lane: min and smallest minimiser of Q over the positions that read
-    rows before t0 only, y in [max(2, t - t0 + 1), min(t - 1, t0 - 1 + lag)] (INF where empty). All
-    rows and lanes at once: a window around the lane's last minimiser, grown until :func:`_certified`."""
-    n_lanes, n_rows = len(lanes.m), t1 - t0
-    v_out = np.full((n_rows, n_lanes), INF, dtype=np.int64)
-    y_out = np.zeros((n_rows, n_lanes), dtype=np.int64)
-    r = np.tile(np.arange(n_rows), n_lanes)  # lane-major: the hull look-ups of one column are adjacent
-    ln = np.repeat(np.arange(n_lanes), n_rows)
-    t = t0 + r
-    dom_lo = np.maximum(2, t - t0 + 1)
-    dom_hi = np.minimum(t - 1, t0 - 1 + lanes.lag[ln])
-    keep = np.flatnonzero(dom_lo <= dom_hi)
-    if not keep.size:
-        return v_out, y_out
-    r, ln, t, dom_lo, dom_hi = r[keep], ln[keep], t[keep], dom_lo[keep], dom_hi[keep]
-    arow, brow, lag = lanes.arow[ln], lanes.brow[ln], lanes.lag[ln]
-    acol, bcol = lanes.acol[ln], lanes.bcol[ln]
-    w = _WINDOW
-    lo = np.minimum(np.maximum(lanes.y[ln] - w // 4, dom_lo), np.maximum(dom_lo, dom_hi - w + 1))
-    hi = np.minimum(lo + w - 1, dom_hi)
-    v, y = _window_min(flat, width, arow, brow, lag, t, lo, hi, w)
-    # The lane matters only with a value <= cap: at most the other kind's window minimum (an achievable
-    # cost), strictly below it for internal lanes since ties go to the hidden push.
-    v_win = np.full((n_rows, n_lanes + 1), INF, dtype=np.int64)  # column -1: no other lane
-    v_win[r, ln] = v
-    cap = v_win[r, lanes.other[ln]] - lag
-    ylb = _lb_minimiser(hulls, acol, bcol, lag, t, np.clip(lanes.ylb[ln], dom_lo, dom_hi), dom_lo, dom_hi)
-    act = np.flatnonzero((lo > dom_lo) | (hi < dom_hi))
-    while act.size:
-        ok_l, ok_r = _certified(hulls, acol[act], bcol[act], lag[act], t[act], lo[act], hi[act],
-                                          v[act], cap[act], ylb[act], dom_lo[act], dom_hi[act])
-        w *= 2
-        i = act[~ok_l]
-        if i.size:  # grow left; a tie there is a smaller minimiser
-            nlo = np.maximum(dom_lo[i], lo[i] - w)
-            vv, yy = _window_min(flat, width, arow[i], brow[i], lag[i], t[i], nlo, lo[i] - 1, w)
-            take = vv <= v[i]
-            v[i], y[i], lo[i] = np.where(take, vv, v[i]), np.where(take, yy, y[i]), nlo
-        j = act[~ok_r]
-        if j.size:  # grow right; only a strictly smaller value replaces
-            nhi = np.minimum(dom_hi[j], hi[j] + w)
-            vv, yy = _window_min(flat, width, arow[j], brow[j], lag[j], t[j], hi[j] + 1, nhi, w)
-            take = vv < v[j]
-            v[j], y[j], hi[j] = np.where(take, vv, v[j]), np.where(take, yy, y[j]), nhi
-        act = act[~(ok_l & ok_r)]
-    v_out[r, ln], y_out[r, ln] = v, y
-    lanes.ylb[ln] = ylb  # the last row's wins
-    return v_out, y_out
-
-
-def _row_lanes(flat, lanes: _Lanes, t: int, t0: int, v_mid, y_mid):
-    """Every lane's min over y = 2 .. t - 1 and smallest minimiser at row t: the block's middle
-    (``v_mid``, ``y_mid``) with the positions next to both ends evaluated exactly, y in [2, t - t0] and
-    [max(t0 + lag, t - t0 + 1), t - 1]."""
-    e1 = max(0, min(t - t0, t - 1) - 1)  # y = 2 .. e1 + 1
-    lo2 = [max(t0 + lag, t - t0 + 1, 2) for lag in (0, 1)]
-    e2 = max(0, t - lo2[0])
-    if e1 + e2 == 0:
-        lanes.y = y_mid
-        return v_mid, y_mid
-    ys = np.array([np.concatenate([np.arange(2, 2 + e1), np.minimum(np.arange(lo, lo + e2), t - 1)])
-                   for lo in lo2])[lanes.lag]
-    q = ys + flat[lanes.a_at + ys] + flat[lanes.b_at + (t - ys)]
-    key = np.minimum(((q << _YBITS) | ys).min(axis=1), (np.minimum(v_mid, 1 << 40) << _YBITS) | y_mid)
-    v, lanes.y = key >> _YBITS, key & ((1 << _YBITS) - 1)
-    return v, lanes.y
+    _fill(CT, DT, HT, bool(use_hidden), int(alpha or 0), int(beta or 0), INF, HIDDEN, INTERNAL)
+    return CT.T.copy(), DT.T.copy(), HT.T.copy()

@@ -24,15 +24,11 @@ Memory units and what the DP guarantees (checked by :mod:`fxplan.bptt.schedule`)
                  when its input hidden state is already stored (y = 1). Stored states count, the working
                  one does not (as in HSM), so ``C(t, 1) = t(t+1)/2`` and ``C(t, m >= alpha*t) = t``.
 
-The rows are computed one sequence length ``t`` at a time, vectorised over all memory sizes with numpy,
-by one of three methods that give identical tables (:func:`_solve_dp`). Positions ``2 <= y < t``: where
-the columns ``C(., m)`` involved are convex in ``t`` (HSM and ISM; checked as the rows fill, not assumed)
-the cost is convex in ``y`` and its smallest minimiser never decreases with ``t``, so a walk from the
-previous minimiser finds it in O(1) amortised steps (the speed-up the paper's appendix A mentions;
-:func:`_solve_walk`). MSM's columns are not convex, so for MSM a window of positions is evaluated exactly
-and the columns' lower convex hulls prove that no other position does better (:mod:`fxplan.bptt.hull_dp`).
-The reference scans every position, bounded by ``Q >= t + y - 1`` with the best ``y = 1`` choice as upper
-bound.
+The tables are filled by one compiled kernel (:mod:`fxplan.bptt.hull_dp`, numba), which evaluates
+only the positions ``2 <= y < t`` that the lower convex hulls of the columns ``C(., m)`` cannot rule out:
+appendix A's convexity speed-up made exact for MSM, whose columns are not convex. Its tables are those
+of a scan of every position, ties included (the first minimum in the order hidden y = 1, internal
+y = 1, hidden y = 2 .. t - 1, internal y = 2 .. t - 1, y = t; ``tests/test_bptt_solvers.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +38,6 @@ import math
 
 import numpy as np
 
-from fxplan.bptt.hull_dp import T_LIMIT, cost_table, solve_tables
 from fxplan.bptt.policy import HIDDEN, INF, INTERNAL, POLICIES, Policy
 from fxplan.bptt.schedule import simulate
 from fxplan.errors import BudgetError, FxplanError
@@ -79,157 +74,12 @@ def _alpha_beta(policy: str, alpha: int | None, beta: int | None) -> tuple[int |
     return int(alpha), int(beta)
 
 
+def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None):
+    """Tables C, D, H (as ``C[t, m]``) of the recurrence in the module docstring, by the compiled kernel of
+    :mod:`fxplan.bptt.hull_dp` (imported here, not at import time: numba takes a while to load)."""
+    from fxplan.bptt.hull_dp import solve_tables
 
-def _keep_better(q: np.ndarray, kind: int, best: np.ndarray, bd: np.ndarray, bh: np.ndarray) -> None:
-    """Row-wise: where min over y of ``q`` (columns are y = 2, 3, ...) beats ``best``, record it in place."""
-    j = np.argmin(q, axis=1)
-    v = q[np.arange(len(q)), j]
-    better = v < best
-    best[:] = np.where(better, v, best)
-    bd[:] = np.where(better, j + 2, bd)
-    bh[:] = np.where(better, kind, bh)
-
-
-def _scan(CT, t, pad, use_hidden, alpha, work, best, bd, bh) -> None:
-    """Positions y = 2 .. t - 1 by exhaustive scan, within the bound ``Q >= t + y - 1`` (module docstring)."""
-    m_max = len(best)
-    ylim = np.minimum(np.minimum(best, work) - t + 1, t - 1)
-    ylim = np.maximum.accumulate(ylim[::-1])[::-1]  # non-increasing envelope, so chunks are prefixes
-    a = 0
-    while a < m_max and ylim[a] >= 2:
-        yl = int(ylim[a])
-        b = int(np.searchsorted(-ylim, -(yl // 2), side="right"))  # columns whose bound is > yl/2
-        b = max(b, a + 1)
-        ca, cb = pad + 1 + a, pad + 1 + b  # CT rows for m = a+1 .. b
-        ys = np.arange(2, yl + 1)
-        if use_hidden:
-            # Q1 = y + C(y, m) + C(t - y, m - 1), y = 2 .. yl (< t)
-            q = CT[ca:cb, 2 : yl + 1] + CT[ca - 1 : cb - 1, t - 2 : t - yl - 1 : -1]
-            _keep_better(q + ys, HIDDEN, best[a:b], bd[a:b], bh[a:b])
-        if alpha is not None:
-            # Q2 = y + C(y - 1, m) + C(t - y, m - alpha), y = 2 .. yl (< t)
-            q = CT[ca:cb, 1:yl] + CT[ca - alpha : cb - alpha, t - 2 : t - yl - 1 : -1]
-            _keep_better(q + ys, INTERNAL, best[a:b], bd[a:b], bh[a:b])
-        a = b
-
-
-def _walk(flat, width: int, rows: np.ndarray, shift: int, lag: int, t: int, start: np.ndarray
-          ) -> tuple[np.ndarray, np.ndarray]:
-    """Smallest minimiser over y in [start, t - 1] of y + C(y - lag, m) + C(t - y, m - shift) for CT rows
-    ``rows`` (= pad + m), walking right while the next position is strictly better: exact when that
-    function is convex in y (see :func:`_solve_walk`). Returns (y, value)."""
-    y = start.copy()
-    a_rows, b_rows = rows * width, (rows - shift) * width
-    f = y + flat[a_rows + y - lag] + flat[b_rows + t - y]
-    live = np.flatnonzero(y < t - 1)
-    while live.size:
-        yn = y[live] + 1
-        fn = yn + flat[a_rows[live] + yn - lag] + flat[b_rows[live] + t - yn]
-        adv = fn < f[live]
-        live = live[adv]
-        y[live] = yn[adv]
-        f[live] = fn[adv]
-        live = live[y[live] < t - 1]
-    return y, f
-
-
-def _solve_walk(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None,
-                walk: bool = True):
-    """Fill C, D, H for the generic two-choice recurrence; see the module docstring.
-
-    ``alpha is None`` disables internal pushes except the working step y = t (HSM).
-
-    Positions y = 2 .. t - 1 (the convexity speed-up of appendix A): Q1(y) = y + A(y) + B(t - y) with
-    A = C(., m) and B = C(., m - 1) (for Q2, A(y) = C(y - 1, m), B = C(., m - alpha)). Where both columns
-    are convex in t (checked as the rows are filled, not assumed), Q is convex in y, so a walk right from
-    any y at or below the smallest minimiser finds it; and that minimiser never decreases with t (for y
-    below the one at t - 1, Q_t(y) - Q_t(y*) = Q_{t-1}(y) - Q_{t-1}(y*) + ΔB(t - y) - ΔB(t - y*) > 0 as ΔB does not
-    decrease). So each (t, m) costs O(1) amortised instead of O(t). Rows whose columns are not convex
-    so far fall back to the exhaustive scan, so the tables are exact either way (``walk=False``: always
-    scan). HSM and ISM columns are convex (appendix B); MSM columns are not (96 of 100 rows at t = 1000,
-    alpha = 5, beta = 4 have a negative second difference), so here MSM scans (see :mod:`.hull_dp`).
-    """
-    CT, pad = cost_table(t_max, m_max, alpha, beta)
-    flat = CT.reshape(-1)
-    width = t_max + 1
-    DT = np.zeros((m_max + 1, t_max + 1), dtype=np.int64)
-    HT = np.zeros((m_max + 1, t_max + 1), dtype=np.int8)
-    cols = slice(pad + 1, pad + m_max + 1)  # m = 1 .. m_max
-    ms = np.arange(1, m_max + 1)
-    convex = np.ones(pad + m_max + 1, dtype=bool)  # per CT row: convex over t = 1 .. (last row filled)
-    kinds = []  # (kind, CT rows with a finite B column, shift, lag, previous minimiser)
-    if use_hidden:
-        r = pad + ms[ms - 1 >= 1]
-        kinds.append((HIDDEN, r, 1, 0, np.full(len(r), 2, dtype=np.int64)))
-    if alpha is not None:
-        r = pad + ms[ms - alpha >= 1]
-        kinds.append((INTERNAL, r, alpha, 1, np.full(len(r), 2, dtype=np.int64)))
-    for t in range(1, t_max + 1):
-        # Candidates are tried in a fixed order and replaced only when strictly better: hidden before
-        # internal at y = 1, then y = 2, 3, ..., and the working step (y = t) last, so that ties go to
-        # the earlier push (the paper's Algorithm 1 keeps the first minimum, e.g. D(t, m >= t) = 1).
-        # Working step (y = t): t forwards, then the left t - 1 steps with all memory (eq. (4) at y = t).
-        work = t + CT[cols, t - 1]
-        best = np.full(m_max, INF, dtype=np.int64)
-        bd = np.zeros(m_max, dtype=np.int64)
-        bh = np.zeros(m_max, dtype=np.int8)
-        cands = []  # the y = 1 choices
-        if t > 1 and use_hidden:
-            cands.append((1 + CT[pad + 1 : pad + m_max + 1, 1] + CT[pad : pad + m_max, t - 1], HIDDEN))
-        if t > 1 and alpha is not None:
-            cands.append((1 + CT[pad + 1 - beta : pad + m_max + 1 - beta, t - 1], INTERNAL))
-        for val, kind in cands:
-            better = val < best
-            best = np.where(better, val, best)
-            bd = np.where(better, 1, bd)
-            bh = np.where(better, kind, bh)
-        if t >= 3:
-            if walk and all(convex[rows].all() and convex[rows - shift].all() for _, rows, shift, _, _ in kinds):
-                for kind, rows, shift, lag, prev in kinds:
-                    y, f = _walk(flat, width, rows, shift, lag, t, np.minimum(prev, t - 1))
-                    prev[:] = y
-                    i = rows - pad - 1
-                    better = f < best[i]
-                    best[i] = np.where(better, f, best[i])
-                    bd[i] = np.where(better, y, bd[i])
-                    bh[i] = np.where(better, kind, bh[i])
-            else:
-                _scan(CT, t, pad, use_hidden, alpha, work, best, bd, bh)
-                for _, _, _, _, prev in kinds:
-                    prev[:] = 2  # the walk's start must be at or below the minimiser: restart low
-        better = work < best
-        best = np.where(better, work, best)
-        bd = np.where(better, t, bd)
-        bh = np.where(better, INTERNAL, bh)
-        CT[cols, t], DT[1:, t], HT[1:, t] = np.minimum(best, INF), bd, bh
-        if t >= 3:
-            convex[cols] &= CT[cols, t] - 2 * CT[cols, t - 1] + CT[cols, t - 2] >= 0
-    return CT[pad:, :].T.copy(), DT.T.copy(), HT.T.copy()
-
-
-#: Sequence length from which the hull method solves MSM faster than the scan (measured on a 2-core CPU,
-#: alpha = 5, beta = 4: CPU seconds hull/scan 0.25/0.22 at t = 1000, 0.39/0.50 at 1500, m = 100).
-_HULL_FROM = 1200
-
-
-def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None,
-              method: str = "auto"):
-    """Tables C, D, H (as ``C[t, m]``) of the recurrence in the module docstring, by ``method``:
-
-    ``"walk"`` (:func:`_solve_walk`: the convexity walk where the columns are convex, else the scan),
-    ``"hull"`` (:func:`fxplan.bptt.hull_dp.solve_tables`: windows certified by the columns' hulls, for
-    t <= ``hull_dp.T_LIMIT``) or ``"scan"`` (every position; the reference). All three give identical
-    tables. ``"auto"``: the walk for HSM and ISM (whose columns are convex, appendix B); for MSM the hull
-    method from ``_HULL_FROM`` steps up to its limit, the walk's scan below (faster there).
-    """
-    if method == "auto":
-        msm = use_hidden and alpha is not None
-        method = "hull" if msm and _HULL_FROM <= t_max <= T_LIMIT else "walk"
-    if method == "hull":
-        return solve_tables(t_max, m_max, use_hidden, alpha, beta)
-    if method in ("walk", "scan"):
-        return _solve_walk(t_max, m_max, use_hidden, alpha, beta, walk=method == "walk")
-    raise FxplanError(f"unknown BPTT solver method {method!r}; choose 'auto', 'walk', 'hull' or 'scan'")
+    return solve_tables(t_max, m_max, use_hidden, alpha, beta)
 
 
 @functools.lru_cache(maxsize=32)
