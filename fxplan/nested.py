@@ -26,6 +26,11 @@ Moves are tried in order of the base plan's replayed per-segment peaks (segments
 near the peak first), at most ``MOVES_PER_ROUND`` per round and no more once ``PATIENCE`` of them in a
 row have not lowered the round's best, and at most ``MEASUREMENTS`` measurements per starting plan
 (fewer on large graphs), so planning time stays bounded on graphs with many segments.
+
+Once the lowest plan (peak P) is found, :meth:`NestedSearch.cheapen` undoes the moves that P does not
+need (at most ``CHEAPEN`` measurements), and every nested plan measured is kept with its peak and
+recompute fraction, so the planner returns the least recomputation among those that fit
+(:meth:`NestedSearch.cheapest`) rather than the lowest one.
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ MEASUREMENTS, MEASUREMENT_WORK = 48, 24_000
 #: A round's best move is taken only if it lowers the measured peak by at least this fraction: smaller
 #: gains cost a recomputation and minutes of search each (ResNet-50 at batch 96: 2.4% in 5 rounds, 405 s).
 MIN_GAIN = 0.01
+
+#: Most measurements spent, once the smallest peak P is found, on undoing moves that do not matter for P
+#: (:meth:`NestedSearch.cheapen`): a split block unsplit, a merged block dissolved into its sub-blocks.
+CHEAPEN = 16
 
 #: Sub-plans taken from a segment's DP frontier (besides its memory-centric plan), longest merged run, and
 #: most two-segment cuts tried per segment.
@@ -183,6 +192,33 @@ def _copy(blocks: list[Block]) -> list[Block]:
     return [Block(list(b.names), None if b.sub is None else _copy(b.sub)) for b in blocks]
 
 
+def _simpler(blocks: list[Block]) -> Iterator[list[Block]]:
+    """Trees one undo away from ``blocks``: each split block unsplit, and each split block dissolved
+    into its sub-blocks (undoing a merge); both recompute less (a node leaves a checkpoint level)."""
+    for li, level in enumerate(_levels(blocks)):
+        for i, b in enumerate(level):
+            if b.sub is None:
+                continue
+            for dissolve in (False, True):
+                new = _copy(blocks)
+                at = list(_levels(new))[li]
+                if dissolve:
+                    at[i:i + 1] = at[i].sub
+                else:
+                    at[i].sub = None
+                yield new
+
+
+@dataclass
+class Measured:
+    """A nested plan the search measured: its blocks, measured peak and recompute fraction."""
+
+    blocks: list[Block]
+    measured: int
+    recompute_fraction: float
+    seed: Plan | None
+
+
 class NestedSearch:
     """Local search over nested plans from a canonical plan (module docstring)."""
 
@@ -193,11 +229,50 @@ class NestedSearch:
         self.max_measurements = (measurement_budget(cg.number_of_nodes()) if max_measurements is None
                                  else max_measurements)
         self.measurements_left = self.max_measurements
+        #: every nested plan measured, whatever its peak: the plans :meth:`cheapest` chooses from
+        self.measured: list[Measured] = []
+        self._seed: Plan | None = None  # the starting plan of the current improve()
 
     def measure(self, blocks: list[Block]) -> tuple[int, SegmentedModule] | None:
         self.measurements_left -= 1
-        return measure_plan(self.cg, [b.names for b in blocks], subplans.as_children(blocks), self.inputs,
-                            self.loss_fn)
+        got = measure_plan(self.cg, [b.names for b in blocks], subplans.as_children(blocks), self.inputs,
+                           self.loss_fn)
+        if got is not None and subplans.depth(blocks) > 1:
+            self.measured.append(Measured(blocks, got[0], recompute_fraction(self.cg, blocks), self._seed))
+        return got
+
+    def cheapen(self, found: NestedResult, seed: Plan) -> NestedResult:
+        """A plan of measured peak at most ``found``'s that recomputes less, if undoing moves finds one.
+
+        Greedy: the undo (:func:`_simpler`) that saves the most recomputation is measured first, the first
+        that keeps the peak is taken, and the search goes on from there; at most ``CHEAPEN`` measurements.
+        The local search takes the move that lowers the peak most, and some of the moves it took on the
+        way lower a peak that a later move lowered further: those are recomputation that buys nothing.
+        """
+        best, left, self._seed = found, CHEAPEN, seed
+        while left > 0:
+            options = sorted((recompute_fraction(self.cg, t), n, t) for n, t in enumerate(_simpler(best.blocks)))
+            for rf, _, tree in options:
+                if rf >= best.recompute_fraction or left <= 0:
+                    continue
+                left -= 1
+                got = self.measure(tree)
+                if got is not None and got[0] <= found.measured:
+                    best = NestedResult(tree, got[0], got[1], rf)
+                    break
+            else:
+                break
+        return best
+
+    def cheapest(self, limit: int) -> tuple[NestedResult, Plan] | None:
+        """The measured nested plan of least recomputation whose peak is at most ``limit`` (ties: the lower
+        peak), with its module generated again, and the plan its search started from; None if none fits."""
+        fits = [m for m in self.measured if m.measured <= limit]
+        if not fits:
+            return None
+        m = min(fits, key=lambda m: (m.recompute_fraction, m.measured))
+        module = segment_module(self.cg.graph["gm"], [b.names for b in m.blocks], subplans.as_children(m.blocks))
+        return NestedResult(m.blocks, m.measured, module, m.recompute_fraction), m.seed
 
     def _moves(self, blocks: list[Block], rank: dict[str, int]) -> Iterator[list[Block]]:
         """Trees one move away from ``blocks``, most promising first (``rank``: node -> priority, 0 best);
@@ -237,7 +312,7 @@ class NestedSearch:
     def improve(self, base: Plan, base_measured: int, segment_peaks: list[int]) -> NestedResult | None:
         """The nested plan of least measured peak reachable from ``base`` by the moves, if lower than
         ``base_measured``; None if no move lowers it. Each call measures at most ``max_measurements``."""
-        self.measurements_left = self.max_measurements
+        self.measurements_left, self._seed = self.max_measurements, base
         order = sorted(range(len(base.segments)), key=lambda i: -segment_peaks[i]) if segment_peaks else []
         rank = {v: r for r, i in enumerate(order) for v in base.segments[i]}
         best_blocks = [Block(list(s)) for s in base.segments]

@@ -16,6 +16,14 @@ anything; :mod:`fxplan.compare` measures what these modules cost.
   ``torch._functorch.config.activation_memory_budget`` set while the graph is compiled. The budget is
   a fraction of the saved-activation set, not bytes of peak. Compiled code is invisible to dispatch
   modes (hence to fake-tensor metering), so compiled peers are measured on real steps only.
+* **checkpoint around each repeated block**: what a user writes by hand for a network built of
+  repeated blocks (torchvision's ``Bottleneck`` and ``_DenseLayer``, transformers' ``GPT2Block``): every
+  instance of the block class runs under non-reentrant ``torch.utils.checkpoint``, so only each block's
+  inputs are kept and its forward is recomputed in backward. :func:`block_class` finds the class (the
+  most frequent one among modules with two or more children). Its *selective* variant
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) keeps the outputs of convolutions
+  and matrix products inside each block and recomputes only the cheap ops between them
+  (normalisations, activations, concatenations), as PyTorch's selective activation checkpointing does.
 * **Hugging Face checkpointing**: ``model.activation_checkpointing_enable()`` (in older transformers
   ``gradient_checkpointing_enable()``), what LLM users turn on today: every decoder
   or encoder layer runs under non-reentrant ``torch.utils.checkpoint``, so only the layer inputs are
@@ -27,13 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from fxplan.errors import FxplanError
 
@@ -251,6 +262,113 @@ def compile_peer(model: nn.Module, fraction: float) -> CompiledPeer:
     return CompiledPeer(model, fraction)
 
 
+# ------------------------------------------------------------------------------ checkpoint around each block
+
+#: Containers are not blocks: they have no computation of their own to checkpoint as one unit.
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _matmul_ops() -> list[Any]:
+    """The aten ops whose outputs the selective variant keeps: convolutions, matrix products, and the fused
+    attention kernels (matrix products inside)."""
+    names = ["convolution", "mm", "addmm", "bmm", "baddbmm",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"]
+    return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
+
+
+def block_class(model: nn.Module, name: str | None = None) -> type[nn.Module]:
+    """The class of ``model``'s repeated block: the class named ``name`` (its ``__name__`` or qualified name),
+    or else the most frequent class among the submodules with at least two child modules (containers such
+    as ``nn.Sequential`` and the root excluded; ties go to the class met first in ``named_modules`` order,
+    the outer one, so GPT-2's ``GPT2Block`` wins over the ``GPT2Attention`` inside each).
+
+    Raises :class:`NotApplicable` if no class occurs twice, or ``name`` matches no submodule.
+    """
+    modules = [m for _, m in model.named_modules() if m is not model]
+    if name is not None:
+        for m in modules:
+            cls = type(m)
+            if name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"):
+                return cls
+        known = sorted({type(m).__name__ for m in modules})
+        raise NotApplicable(f"not applicable: no submodule of class {name!r}; the model's classes are "
+                            f"{', '.join(known)}")
+    counts = Counter(type(m) for m in modules
+                     if not isinstance(m, _CONTAINERS) and len(list(m.children())) >= 2)
+    if not counts:
+        raise NotApplicable("not applicable: no submodule has two or more child modules (no repeated block)")
+    most = max(counts.values())
+    cls = next(c for c, n in counts.items() if n == most)  # counts keeps first-seen order
+    if most < 2:
+        raise NotApplicable(f"not applicable: no block class occurs twice (most frequent: {cls.__name__}, once)")
+    return cls
+
+
+class CheckpointedBlock(nn.Module):
+    """One block run under non-reentrant ``torch.utils.checkpoint`` in training (``selective``: keeping the
+    outputs of convolutions and matrix products, recomputing the rest). Outside training or without grad
+    it is the plain block."""
+
+    def __init__(self, block: nn.Module, selective: bool = False):
+        super().__init__()
+        self.block = block
+        self.selective = selective
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.block(*args, **kwargs)
+        # checkpoint re-reads its arguments in backward, and a caller may change a list it passed after the
+        # call (torchvision's _DenseBlock appends each layer's output to the list it gives every layer):
+        # the block gets containers of its own, the tensors in them unchanged.
+        args, kwargs = tree_map(lambda x: x, (args, kwargs))
+        if self.selective:
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            context_fn = functools.partial(create_selective_checkpoint_contexts, _matmul_ops())
+            return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, context_fn=context_fn,
+                                                     **kwargs)
+        return torch.utils.checkpoint.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+    def extra_repr(self) -> str:
+        return "selective=True" if self.selective else ""
+
+
+def block_checkpoint_peer(model: nn.Module, cls: type[nn.Module] | str | None = None, *,
+                          selective: bool = False) -> nn.Module:
+    """A copy of ``model`` in which every instance of the block class ``cls`` (a class, a class name, or None:
+    :func:`block_class` finds it) is wrapped in :class:`CheckpointedBlock`. Parameters and buffers are
+    shared with ``model`` (only module objects are copied), and ``model`` itself is left as it is.
+
+    Blocks inside blocks are not wrapped again: the outermost instance is checkpointed. Raises
+    :class:`NotApplicable` if the model has no such block.
+    """
+    if cls is None or isinstance(cls, str):
+        cls = block_class(model, cls)
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    peer = copy.deepcopy(model, shared)
+    if isinstance(peer, cls):
+        raise NotApplicable(f"not applicable: the model itself is a {cls.__name__}; checkpoint its blocks instead")
+    wrapped = _wrap_blocks(peer, cls, selective)
+    if wrapped == 0:
+        raise NotApplicable(f"not applicable: the model has no submodule of class {cls.__name__}")
+    peer.fxplan_block_class = cls.__name__  # type: ignore[assignment]  # reported beside the peer
+    peer.fxplan_blocks = wrapped  # type: ignore[assignment]
+    return peer.train(model.training)
+
+
+def _wrap_blocks(parent: nn.Module, cls: type[nn.Module], selective: bool) -> int:
+    """Replace each outermost ``cls`` instance below ``parent`` by its :class:`CheckpointedBlock`; how many."""
+    count = 0
+    for name, child in list(parent.named_children()):
+        if isinstance(child, cls):
+            setattr(parent, name, CheckpointedBlock(child, selective))
+            count += 1
+        else:
+            count += _wrap_blocks(child, cls, selective)
+    return count
+
+
 # ------------------------------------------------------------------------------ Hugging Face checkpointing
 
 
@@ -273,6 +391,7 @@ def hf_checkpointing_peer(model: nn.Module) -> nn.Module:
 
 
 __all__ = [
-    "CheckpointSequential", "CompiledPeer", "NotApplicable", "activation_budget", "as_sequential",
-    "checkpoint_sequential_peer", "compile_peer", "hf_checkpointing_peer", "vanilla",
+    "CheckpointSequential", "CheckpointedBlock", "CompiledPeer", "NotApplicable", "activation_budget",
+    "as_sequential", "block_checkpoint_peer", "block_class", "checkpoint_sequential_peer", "compile_peer",
+    "hf_checkpointing_peer", "vanilla",
 ]

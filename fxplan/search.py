@@ -30,7 +30,9 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    ``strategy="memory"``), the nested search of :mod:`fxplan.nested` starts from the candidate of least
    measured peak, and from each other solver's smallest candidate (:meth:`Search._seeds`), and looks
    for a nested plan (sub-segments checkpointed inside segments) that measures lower; the lowest found
-   is taken (:meth:`Search.lowest`). It measures at most :func:`fxplan.nested.measurement_budget`
+   is taken (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan
+   returned is the least recomputation among the nested plans measured that fit
+   (:meth:`fxplan.nested.NestedSearch.cheapest`). It measures at most :func:`fxplan.nested.measurement_budget`
    candidates per starting plan (48, fewer above 500 nodes, none above 24,000). Where nesting gains nothing,
    results are the canonical search's; where it does, a budget below the canonical plans is met
    instead of refused.
@@ -62,7 +64,7 @@ from fxplan.errors import BudgetError, FxplanError
 from fxplan.fakes import to_fake
 from fxplan.lowersets import enumerate_lower_sets
 from fxplan.measure import GiB, measure_fake
-from fxplan.nested import NestedSearch
+from fxplan.nested import NestedResult, NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
 from fxplan.plans import Plan
 from fxplan.replay import Replay, StepModel, replay, step_model
@@ -152,6 +154,7 @@ class Search:
         self._floor: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`floor`
         self._lowest: Candidate | None = None
         self._fake: tuple[fx.GraphModule, tuple[tuple, dict], FakeTensorMode] | None = None  # :meth:`measure`
+        self._nested: NestedSearch | None = None  # the nested search of :meth:`lowest`, once run
 
     def _candidate(self, p: Plan) -> Candidate | None:
         """A new candidate for ``p`` (replayed when its peak is first asked for); None if an existing
@@ -252,13 +255,23 @@ class Search:
         :meth:`smallest`, or the lowest nested plan :mod:`fxplan.nested` finds from :meth:`_seeds`."""
         if self._lowest is None:
             self._lowest = self.smallest()
-            nested = NestedSearch(self.cg, self.inputs, self.loss_fn)
+            self._nested = nested = NestedSearch(self.cg, self.inputs, self.loss_fn)
+            lowest = None
             for seed in self._seeds() if nested.max_measurements > 0 else []:
                 found = nested.improve(seed.plan, seed.measured, seed.segment_replayed)
                 if found is not None and found.measured < self._lowest.measured:
-                    self._lowest = Candidate(found.plan(self.cg, seed.plan), measured=found.measured,
-                                             module=found.module, peaks=(found.measured, []))
+                    self._lowest = _nested_candidate(self.cg, found, seed.plan)
+                    lowest = found, seed.plan
+            if lowest is not None:  # plans of that peak that recompute less join nested.measured
+                nested.cheapen(*lowest)
         return self._lowest
+
+    def _nested_fit(self, budget: int) -> Candidate | None:
+        """The nested plan of least recomputation measured by :meth:`lowest` whose peak is at most ``budget``."""
+        got = self._nested.cheapest(budget) if self._nested is not None else None
+        if got is None:
+            return None
+        return _nested_candidate(self.cg, *got)
 
     def _seeds(self) -> list[Candidate]:
         """Where the nested search starts: the smallest candidate, then the smallest of each other solver's
@@ -306,12 +319,13 @@ class Search:
             best = self.lowest()
             if budget_bytes is not None and best.measured > budget_bytes:
                 raise self.infeasible(budget_bytes, best)
-            if strategy == "memory":
-                return best
-            return self.least_recompute(math.floor(best.measured * (1 + NEGLIGIBLE))) or best
+            limit = best.measured if strategy == "memory" else math.floor(best.measured * (1 + NEGLIGIBLE))
+            fits = [best, self._nested_fit(limit)] + ([] if strategy == "memory" else [self.least_recompute(limit)])
+            return min((c for c in fits if c is not None), key=lambda c: (c.recompute, c.measured))
         found = self.least_recompute(budget_bytes)
-        if found is None:  # below every canonical plan: a nested one, if it fits
-            found = self.lowest()
+        if found is None:  # below every canonical plan: the cheapest nested one that fits
+            lowest = self.lowest()
+            found = self._nested_fit(budget_bytes) or lowest
             if found.measured > budget_bytes:
                 raise self.infeasible(budget_bytes, found)
         return found
@@ -343,6 +357,13 @@ class Search:
         c.module.fxplan_plan = plan
         c.module.fxplan_measured_peak_bytes = c.measured
         return c.module
+
+
+def _nested_candidate(cg: CostGraph, found: NestedResult, seed: Plan) -> Candidate:
+    """A nested plan the nested search measured (from the plan ``seed``), as a candidate: its module is the
+    one measured, and its peak is the measured one."""
+    return Candidate(found.plan(cg, seed), measured=found.measured, module=found.module,
+                     peaks=(found.measured, []))
 
 
 def _code(module: SegmentedModule) -> str:

@@ -173,6 +173,65 @@ def test_the_nested_search_measures_at_most_its_budget_of_candidates():
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == nested.MEASUREMENTS and sizes[-1] == 0
 
 
+def test_cheapen_undoes_the_moves_that_do_not_matter_for_the_peak(monkeypatch):
+    """With a stub meter whose peak depends only on block 0 being split, the undo pass drops the other
+    split and the merge, keeps block 0's split, and measures no more than its cap."""
+    from fxplan import nested
+    from fxplan.costgraph import CostGraph
+
+    cg = CostGraph()
+    names = [f"n{i}" for i in range(8)]
+    for v in names:
+        cg.add_node(v, T=1.0)
+    cg.add_edges_from(zip(names, names[1:]))
+    B = subplans.Block
+    split = [B(names[:3], [B(names[:1]), B(names[1:3])]), B(names[3:6], [B(names[3:5]), B(names[5:6])]),
+             B(names[6:])]
+    search = nested.NestedSearch(cg, None, None, 10)
+    calls = []
+
+    def measure(blocks):
+        calls.append(blocks)
+        return (100 if blocks[0].sub is not None and blocks[0].names == names[:3] else 120), None
+
+    monkeypatch.setattr(search, "measure", measure)
+    start = nested.NestedResult(split, 100, None, nested.recompute_fraction(cg, split))
+    got = search.cheapen(start, None)
+    assert got.measured == 100 and got.recompute_fraction < start.recompute_fraction
+    assert got.blocks[0].sub is not None and all(b.sub is None for b in got.blocks[1:])
+    assert len(calls) <= nested.CHEAPEN
+    monkeypatch.setattr(nested, "CHEAPEN", 1)
+    calls.clear()
+    search.cheapen(start, None)
+    assert len(calls) == 1
+
+
+def test_smallest_and_in_between_budgets_take_the_cheapest_nested_plan_measured():
+    """Without a budget and at a budget below every canonical plan, the plan returned is the least
+    recomputation among the nested plans measured that fit, and it is the plan its module runs."""
+    from fxplan.search import Search
+    from fxplan.trace import trace
+
+    model = Chain(convs=3)
+    x = (torch.randn(16, 3, 32, 32),)
+    from fxplan import nested
+
+    search = Search(trace(model, x), model, x, solver="approx")
+    flat, low = search.smallest(), search.lowest()
+    pool = search._nested.measured
+    assert low.measured < flat.measured and pool
+    # a plan of the lowest peak said to recompute less: the one every budget down to that peak must take
+    best = min((m for m in pool if m.measured == low.measured), key=lambda m: m.recompute_fraction)
+    pool.append(nested.Measured(best.blocks, best.measured, best.recompute_fraction / 2, best.seed))
+    for budget in (low.measured, (low.measured + flat.measured) // 2):
+        fits = [m.recompute_fraction for m in pool if m.measured <= budget]
+        chosen = search.choose(budget, "time")
+        assert chosen.measured <= budget and chosen.recompute == min(fits) < low.recompute
+        assert measure_step(chosen.module, x, fake=True).peak_bytes == chosen.measured
+    assert search.choose(None, "time").recompute == min(fits)
+    assert search.choose(None, "memory").recompute == min(fits)
+
+
 @pytest.mark.parametrize("name", sorted(AWKWARD))
 def test_floor_is_below_every_plan(name):
     """No plan, flat or nested, measures below the physical floor; vanilla is at or above it."""
