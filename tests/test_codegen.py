@@ -495,3 +495,27 @@ def test_operator_iadd_on_a_segment_input_gets_a_copy():
     assert torch.equal(out1, out2)
     out1.sum().backward(), out2.sum().backward()
     assert torch.equal(x1.grad, x2.grad)
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+def test_inplace_module_opening_a_sub_segment_runs_inline_in_the_closest_common_parent(where):
+    """``self.act`` (ReLU(inplace=True)) opens a leaf whose operand ``l2`` comes from another leaf: it runs
+    inline at the level where both leaves meet — the top level, or inside segment 0 between its two
+    sub-segments — and nothing is copied; training stays bitwise the same."""
+    torch.manual_seed(0)
+    model = InplaceZoo()
+    gm = fx.symbolic_trace(copy.deepcopy(model))
+    names = compute_names(gm)
+    cut = names.index("act")
+    if where == "top":
+        segments = [names[:cut], names[cut:]]
+        children = {"1": {"segments": [names[cut : cut + 3], names[cut + 3 :]]}}
+    else:
+        segments = [names[: cut + 3], names[cut + 3 :]]
+        children = {"0": {"segments": [names[:cut], names[cut : cut + 3]]}}
+    opt = segment_module(gm, segments, children)
+    parent = opt if where == "top" else opt.segment_0
+    assert "act = self.act(" in parent.code
+    assert not any("l2_copy" in s.code for s in opt.modules() if isinstance(s, fx.GraphModule))
+    assert opt.fxplan_segments == tuple(tuple(s) for s in segments)  # the plan as given
+    assert_same_training(copy.deepcopy(model), opt, (torch.randn(5, 6),))
