@@ -13,9 +13,13 @@ increasing sequence of lower sets ``L_1 ≺ … ≺ L_k = V``, passed as the blo
 
 Where the data graph is not the whole story (see :mod:`fxplan.effects`):
 
-* an in-place op whose overwritten value is read by a recomputation (it is an input of a recomputed
-  segment that runs no later than the op), or that the plan moves across a reader of the old value,
-  gets a private copy of its operand first (``x_copy = x.clone()`` before ``self.relu(x_copy)``):
+* an in-place op that opens a recomputed segment on a value from an earlier one, and that nothing
+  else in between needs (ResNet's ``relu(out += identity)`` at a block boundary), runs inline between
+  the segments, not recomputed: the later segment keeps the op's result, which is also what the op's
+  autograd node saves, and no copy is made (:meth:`_Rewrite.inplace_openers`);
+* any other in-place op whose overwritten value is read by a recomputation (it is an input of a
+  recomputed segment that runs no later than the op), or that the plan moves across a reader of the
+  old value, gets a private copy of its operand first (``x_copy = x.clone()`` before ``self.relu(x_copy)``):
   the same values, dtypes and gradients as the in-place op, with the memory of the out-of-place one.
   Readers after the op are redirected to its result, so they still see the new value;
 * random ops must stay in program order (otherwise they would draw different numbers than the
@@ -422,8 +426,8 @@ def _split_off(
     The op ``n`` opens leaf ``s``; its operand comes from leaf ``j``. The new block goes right before the
     ancestor of leaf ``s`` that is a sibling of an ancestor of leaf ``j`` (in their closest common
     parent), so the operand is made inside that parent or outside it and never a recomputed segment's
-    input. Only done when leaf ``s`` is the first leaf of that ancestor (nothing else moves) and has more
-    nodes than ``n``.
+    input. Only done when leaf ``s`` is the first leaf of that ancestor (nothing else moves); a leaf that is
+    ``n`` alone is not split but marked. Elsewhere :meth:`_Rewrite.fix_inplace` copies the operand.
     """
     blocks = copy.deepcopy(blocks)
     paths: list[list[int]] = []
@@ -442,9 +446,10 @@ def _split_off(
     for name, j, s in openers:
         pj, ps = paths[j], paths[s]
         d = next(i for i in range(min(len(pj), len(ps))) if pj[i] != ps[i])
-        if any(x != 0 for x in ps[d + 1:]) or len(leaves[s].names) < 2:
-            continue
-        moves.append((ps, name, s, d))
+        if len(leaves[s].names) == 1 and len(ps) == d + 1:
+            plain.add(id(leaves[s]))  # the op is a whole segment of its own: just do not checkpoint it
+        elif len(leaves[s].names) > 1 and not any(x != 0 for x in ps[d + 1:]):
+            moves.append((ps, name, s, d))
     for ps, name, s, d in sorted(moves, reverse=True):  # later positions first: earlier ones stay valid
         parent_path, at = ps[:d], ps[d]
         leaves[s].names.remove(name)

@@ -497,11 +497,12 @@ def test_operator_iadd_on_a_segment_input_gets_a_copy():
     assert torch.equal(x1.grad, x2.grad)
 
 
-@pytest.mark.parametrize("where", ["top", "nested"])
+@pytest.mark.parametrize("where", ["top", "nested", "alone"])
 def test_inplace_module_opening_a_sub_segment_runs_inline_in_the_closest_common_parent(where):
     """``self.act`` (ReLU(inplace=True)) opens a leaf whose operand ``l2`` comes from another leaf: it runs
     inline at the level where both leaves meet — the top level, or inside segment 0 between its two
-    sub-segments — and nothing is copied; training stays bitwise the same."""
+    sub-segments; alone in a segment, that segment is inlined — and nothing is copied; training stays
+    bitwise the same."""
     torch.manual_seed(0)
     model = InplaceZoo()
     gm = fx.symbolic_trace(copy.deepcopy(model))
@@ -510,11 +511,13 @@ def test_inplace_module_opening_a_sub_segment_runs_inline_in_the_closest_common_
     if where == "top":
         segments = [names[:cut], names[cut:]]
         children = {"1": {"segments": [names[cut : cut + 3], names[cut + 3 :]]}}
-    else:
+    elif where == "nested":
         segments = [names[: cut + 3], names[cut + 3 :]]
         children = {"0": {"segments": [names[:cut], names[cut : cut + 3]]}}
+    else:  # a segment of its own
+        segments, children = [names[:cut], [names[cut]], names[cut + 1 :]], {}
     opt = segment_module(gm, segments, children)
-    parent = opt if where == "top" else opt.segment_0
+    parent = opt.segment_0 if where == "nested" else opt
     assert "act = self.act(" in parent.code
     assert not any("l2_copy" in s.code for s in opt.modules() if isinstance(s, fx.GraphModule))
     assert opt.fxplan_segments == tuple(tuple(s) for s in segments)  # the plan as given
