@@ -26,6 +26,15 @@ def _segment_name(gm: torch.nn.Module, base: str, i: int) -> str:
     raise FxplanError(f"cannot find a free attribute name for segment {base}{i}")
 
 
+def _copy_nodes(g: fx.Graph, env: dict[fx.Node, fx.Node], block: list[fx.Node]) -> None:
+    """Copy ``block``'s nodes into ``g`` in order, with the attributes they read (``env`` maps inputs)."""
+    for v in block:
+        for u in v.all_input_nodes:
+            if u.op == "get_attr" and u not in env:
+                env[u] = g.node_copy(u)
+        env[v] = g.node_copy(v, env.__getitem__)
+
+
 class Emitter:
     """Emits blocks (and, recursively, their sub-blocks) as :class:`Segment` calls into a graph."""
 
@@ -55,11 +64,7 @@ class Emitter:
         for b in blocks:
             block = self.nodes[id(b)]
             if id(b) in self.plain:  # runs inline, never checkpointed on its own
-                for v in block:
-                    for u in v.all_input_nodes:
-                        if u.op == "get_attr" and u not in env:
-                            env[u] = g.node_copy(u)
-                    env[v] = g.node_copy(v, env.__getitem__)
+                _copy_nodes(g, env, block)
                 continue
             i += 1
             members = set(block)
@@ -82,11 +87,7 @@ class Emitter:
             recompute = b is not blocks[-1]
             inner: dict[str, Segment] = {}
             if b.sub is None:
-                for v in block:
-                    for u in v.all_input_nodes:
-                        if u.op == "get_attr" and u not in senv:
-                            senv[u] = sg.node_copy(u)
-                    senv[v] = sg.node_copy(v, senv.__getitem__)
+                _copy_nodes(sg, senv, block)
             else:
                 inner = self.emit(sg, senv, b.sub, name)
             if len(outputs) == 1:
