@@ -13,9 +13,13 @@ increasing sequence of lower sets ``L_1 ≺ … ≺ L_k = V``, passed as the blo
 
 Where the data graph is not the whole story (see :mod:`fxplan.effects`):
 
-* an in-place op whose overwritten value is read by a recomputation (it is an input of a recomputed
-  segment that runs no later than the op), or that the plan moves across a reader of the old value,
-  gets a private copy of its operand first (``x_copy = x.clone()`` before ``self.relu(x_copy)``):
+* an in-place op that opens a recomputed segment on a value from an earlier one, and that nothing
+  else in between needs (ResNet's ``relu(out += identity)`` at a block boundary), runs inline between
+  the segments, not recomputed: the later segment keeps the op's result, which is also what the op's
+  autograd node saves, and no copy is made (:meth:`_Rewrite.inplace_openers`);
+* any other in-place op whose overwritten value is read by a recomputation (it is an input of a
+  recomputed segment that runs no later than the op), or that the plan moves across a reader of the
+  old value, gets a private copy of its operand first (``x_copy = x.clone()`` before ``self.relu(x_copy)``):
   the same values, dtypes and gradients as the in-place op, with the memory of the out-of-place one.
   Readers after the op are redirected to its result, so they still see the new value;
 * random ops must stay in program order (otherwise they would draw different numbers than the
@@ -239,8 +243,9 @@ def _validate(gm: fx.GraphModule, segments: Sequence[Sequence[str]]) -> list[lis
 class _Rewrite:
     """The plan applied to a private copy of the graph: segment of each node, copies, redirects."""
 
-    def __init__(self, gm: fx.GraphModule, plan: list[list[str]]):
+    def __init__(self, gm: fx.GraphModule, plan: list[list[str]], plain: frozenset[int] = frozenset()):
         self.gm = gm
+        self.plain = plain  # leaves that are not checkpointed (in-place ops split off by _split_off)
         self.graph = copy.deepcopy(gm.graph)
         by_name = {n.name: n for n in self.graph.nodes}
         self.seg: dict[fx.Node, int] = {}
@@ -277,6 +282,40 @@ class _Rewrite:
             return _LAST
         return self.seg.get(node, -1)  # placeholders and attributes: available everywhere
 
+    def inplace_openers(self) -> list[tuple[str, int, int]]:
+        """In-place ops that would open a recomputed leaf on a value from an earlier leaf, and can run alone.
+
+        A ``relu_(a)`` that is the first node of leaf ``s`` while ``a`` comes from leaf ``j < s`` would
+        need a private copy of ``a`` (:meth:`fix_inplace`): the recomputed leaf keeps ``a`` as its input
+        and must not overwrite it. When nothing but the op reads ``a`` outside leaf ``j`` and the op's
+        other inputs come from leaves ``<= j`` (ResNet's ``out += identity; out = relu(out)`` at a block
+        boundary), :func:`segment_module` runs the op by itself, not recomputed, between the two: the
+        same program, the op overwrites ``a`` as the model does, its autograd node saves what it saves in
+        the model (for ReLU: its result, the very tensor leaf ``s`` keeps as input), and nothing is
+        copied. Returns ``(op name, j, s)``; random ops are never split off (their order is fixed).
+        """
+        out = []
+        pos = {v: i for i, v in enumerate(self.graph.nodes)}
+        first: dict[int, fx.Node] = {}
+        for v in self.graph.nodes:
+            if v in self.seg:
+                first.setdefault(self.seg[v], v)
+        for n in self.graph.nodes:
+            a = self._source(n) if effects.is_compute(n) and self.mpos.get(n) is not None else None
+            if a is None or a not in self.seg or effects.is_random(n, self.gm):
+                continue
+            j, s = self.seg[a], self.seg_of(n)
+            if not (j < s < self.k - 1 and first[s] is n):
+                continue
+            if any(m is not n and self._source(m) is a for m in self.graph.nodes) or self._source(a) is not None:
+                continue  # a is an alias, or has a view or another in-place op: leave it to fix_inplace
+            if any(self.seg_of(u) > j for u in n.all_input_nodes if u is not a):
+                continue
+            if any(self.seg_of(r) > j for r in a.users if r is not n and pos[r] < pos[n]):
+                continue  # a reader of the old value would run after the op
+            out.append((n.name, j, s))
+        return out
+
     def fix_inplace(self) -> None:
         """Copy the operand of each in-place op that recomputation or the plan's order would break."""
         for n in list(self.graph.nodes):
@@ -310,7 +349,7 @@ class _Rewrite:
         for m in members:
             for r in m.users:
                 k = self.seg_of(r)
-                if k <= s and k < self.k - 1 and k != self.seg_of(m):
+                if k <= s and k < self.k - 1 and k not in self.plain and k != self.seg_of(m):
                     return True
         return False
 
@@ -374,6 +413,55 @@ class _Rewrite:
                 last = n
 
 
+def _leaf_blocks(blocks: list[subplans.Block]) -> list[subplans.Block]:
+    return [leaf for b in blocks for leaf in ([b] if b.sub is None else _leaf_blocks(b.sub))]
+
+
+def _split_off(
+    blocks: list[subplans.Block], openers: list[tuple[str, int, int]]
+) -> tuple[list[subplans.Block], set[int]]:
+    """A copy of ``blocks`` in which each in-place op of :meth:`_Rewrite.inplace_openers` is a block of its
+    own that is not checkpointed, and the ids of those blocks.
+
+    The op ``n`` opens leaf ``s``; its operand comes from leaf ``j``. The new block goes right before the
+    ancestor of leaf ``s`` that is a sibling of an ancestor of leaf ``j`` (in their closest common
+    parent), so the operand is made inside that parent or outside it and never a recomputed segment's
+    input. Only done when leaf ``s`` is the first leaf of that ancestor (nothing else moves); a leaf that is
+    ``n`` alone is not split but marked. Elsewhere :meth:`_Rewrite.fix_inplace` copies the operand.
+    """
+    blocks = copy.deepcopy(blocks)
+    paths: list[list[int]] = []
+
+    def walk(bs: list[subplans.Block], prefix: list[int]) -> None:
+        for i, b in enumerate(bs):
+            if b.sub is None:
+                paths.append([*prefix, i])
+            else:
+                walk(b.sub, [*prefix, i])
+
+    walk(blocks, [])
+    leaves = _leaf_blocks(blocks)
+    plain: set[int] = set()
+    moves = []
+    for name, j, s in openers:
+        pj, ps = paths[j], paths[s]
+        d = next(i for i in range(min(len(pj), len(ps))) if pj[i] != ps[i])
+        if len(leaves[s].names) == 1 and len(ps) == d + 1:
+            plain.add(id(leaves[s]))  # the op is a whole segment of its own: just do not checkpoint it
+        elif len(leaves[s].names) > 1 and not any(x != 0 for x in ps[d + 1:]):
+            moves.append((ps, name, s, d))
+    for ps, name, s, d in sorted(moves, reverse=True):  # later positions first: earlier ones stay valid
+        parent_path, at = ps[:d], ps[d]
+        leaves[s].names.remove(name)
+        siblings = blocks
+        for i in parent_path:
+            siblings = siblings[i].sub  # type: ignore[assignment]
+        new = subplans.Block([name])
+        siblings.insert(at, new)
+        plain.add(id(new))
+    return blocks, plain
+
+
 # ----------------------------------------------------------------------------------------------
 # code generation
 
@@ -400,9 +488,11 @@ def segment_module(
     """
     if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
         raise FxplanError("segments must be a list of lists of node names")
-    blocks = subplans.tree(segments, children)
-    plan = _validate(gm, subplans.leaves(blocks))
-    rw = _Rewrite(gm, plan)
+    given = subplans.tree(segments, children)
+    plan = _validate(gm, subplans.leaves(given))
+    blocks, plain = _split_off(given, _Rewrite(gm, plan).inplace_openers())
+    leaves = _leaf_blocks(blocks)
+    rw = _Rewrite(gm, subplans.leaves(blocks), frozenset(i for i, b in enumerate(leaves) if id(b) in plain))
     rw.fix_inplace()
     rw.check_random_order()
     graph = rw.graph
@@ -420,7 +510,7 @@ def segment_module(
     for v in nodes:
         if v.op == "placeholder":
             env[v] = top.node_copy(v)
-    emitter = Emitter(gm, {v: i for i, v in enumerate(nodes)}, blocks, iter(leaf_nodes))
+    emitter = Emitter(gm, {v: i for i, v in enumerate(nodes)}, blocks, iter(leaf_nodes), plain)
     seg_modules = emitter.emit(top, env, blocks, "segment")
 
     for u in output.all_input_nodes:
@@ -433,6 +523,8 @@ def segment_module(
     for u in top.nodes:
         if u.op == "get_attr":
             root[str(u.target)] = resolve_attr(gm, str(u.target))
+        elif u.op == "call_module" and u.target not in seg_modules:  # an in-place op split off inline
+            root[str(u.target)] = gm.get_submodule(str(u.target))
     out = SegmentedModule(root, top, gm._get_name())
     # Own the original module tree, parameters and buffers under their original names.
     out.__dict__["_modules"] = {**gm._modules, **seg_modules}
@@ -450,8 +542,8 @@ def segment_module(
     out._fxplan_extra_attrs = extra
     out._fxplan_segment_names = list(seg_modules)
     out._fxplan_graph = copy.deepcopy(gm.graph)
-    out.fxplan_segments = tuple(tuple(b.names) for b in blocks)
-    out.fxplan_children = subplans.as_children(blocks)
+    out.fxplan_segments = tuple(tuple(b.names) for b in given)
+    out.fxplan_children = subplans.as_children(given)
     out.training = gm.training  # not .train(): leave the submodules' own modes alone
     out._fxplan_warned = set()
     if "fxplan_call" in gm.meta:

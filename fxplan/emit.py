@@ -26,12 +26,22 @@ def _segment_name(gm: torch.nn.Module, base: str, i: int) -> str:
     raise FxplanError(f"cannot find a free attribute name for segment {base}{i}")
 
 
+def _copy_nodes(g: fx.Graph, env: dict[fx.Node, fx.Node], block: list[fx.Node]) -> None:
+    """Copy ``block``'s nodes into ``g`` in order, with the attributes they read (``env`` maps inputs)."""
+    for v in block:
+        for u in v.all_input_nodes:
+            if u.op == "get_attr" and u not in env:
+                env[u] = g.node_copy(u)
+        env[v] = g.node_copy(v, env.__getitem__)
+
+
 class Emitter:
     """Emits blocks (and, recursively, their sub-blocks) as :class:`Segment` calls into a graph."""
 
     def __init__(self, gm: fx.GraphModule, pos: dict[fx.Node, int], blocks: list[subplans.Block],
-                 leaf_nodes: Iterator[list[fx.Node]]):
+                 leaf_nodes: Iterator[list[fx.Node]], plain: set[int] | None = None):
         self.gm, self.pos = gm, pos
+        self.plain = plain or set()  # ids of one-op blocks emitted inline in their parent (not checkpointed)
         self.nodes: dict[int, list[fx.Node]] = {}  # id(block) -> its nodes (after in-place copies)
         self._assign(blocks, leaf_nodes)
         self.made: list[Segment] = []
@@ -47,11 +57,16 @@ class Emitter:
              prefix: str) -> dict[str, Segment]:
         """Add one call per block to ``g`` (``env``: original node -> node of ``g``); return the segments
         by attribute name. Every block but the last is checkpointed; the last one of a sub-plan is
-        recomputed as part of its parent segment only (its backward comes first, right after)."""
+        recomputed as part of its parent segment only (its backward comes first, right after). A block in
+        ``plain`` (an in-place op split off by the rewriter) is emitted inline, with no segment of its own."""
         made: dict[str, Segment] = {}
-        k = len(blocks)
-        for i, b in enumerate(blocks):
+        i = -1
+        for b in blocks:
             block = self.nodes[id(b)]
+            if id(b) in self.plain:  # runs inline, never checkpointed on its own
+                _copy_nodes(g, env, block)
+                continue
+            i += 1
             members = set(block)
             inputs = sorted(
                 {u for v in block for u in v.all_input_nodes if u not in members and u.op != "get_attr"},
@@ -69,14 +84,10 @@ class Emitter:
                 if v.op == "call_module" and str(v.target) not in targets:
                     targets.append(str(v.target))
             name = _segment_name(self.gm, f"{prefix}_", i)
-            recompute = i < k - 1
+            recompute = b is not blocks[-1]
             inner: dict[str, Segment] = {}
             if b.sub is None:
-                for v in block:
-                    for u in v.all_input_nodes:
-                        if u.op == "get_attr" and u not in senv:
-                            senv[u] = sg.node_copy(u)
-                    senv[v] = sg.node_copy(v, senv.__getitem__)
+                _copy_nodes(sg, senv, block)
             else:
                 inner = self.emit(sg, senv, b.sub, name)
             if len(outputs) == 1:

@@ -154,8 +154,14 @@ class Segment(fx.GraphModule):
         children: dict[str, Segment] | None = None,
     ):
         children = dict(children or {})
-        # a nested segment's graph calls only its sub-segments
-        super().__init__(children or root, graph, class_name)
+        # a nested segment's graph calls its sub-segments, and the in-place ops it runs inline between them
+        # (fxplan.codegen._split_off): GraphModule checks that a dict root names each of them
+        inline = {
+            str(n.target): functools.reduce(getattr, str(n.target).split("."), root)
+            for n in graph.nodes
+            if n.op in ("call_module", "get_attr") and str(n.target) not in children
+        }
+        super().__init__({**inline, **children} if children else root, graph, class_name)
         # Drop what GraphModule copied in: look-ups go to the owner (see __getattr__). Sub-segments of a
         # nested plan (fxplan.subplans) are the only modules a segment holds.
         self._modules.clear()

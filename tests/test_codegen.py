@@ -47,7 +47,9 @@ def test_top_level_code_reads_like_hand_written_code():
     calls = re.findall(r"self\.(segment_\d+)\(", code)
     assert calls == ["segment_0", "segment_1", "segment_2", "segment_3"]
     assert re.search(r"= self\.segment_0\(x\)", code)
-    assert "getattr(self.layer1" not in code  # the blocks live in the segments
+    inline = [line for line in code.splitlines() if "getattr(self.layer" in line]
+    assert all(".relu(" in line for line in inline)  # the blocks live in the segments, but for in-place
+    # ReLUs that open a recomputed segment: they run between segments, not recomputed (no copy needed)
     assert "self.conv1(x)" in opt.segment_0.code  # with the original names
     assert "self.fc(" in opt.segment_3.code
     text = opt.readable()
@@ -286,14 +288,38 @@ def test_read_moved_after_inplace_op_gets_a_copy():
     assert_same_training(copy.deepcopy(model), opt, (torch.randn(2, 3),))
 
 
-def test_inplace_op_on_a_recomputed_segment_input_is_made_out_of_place():
+def test_inplace_op_opening_a_recomputed_segment_moves_to_its_operands_segment():
+    """F.relu(u, inplace=True) would start segment 1 with u from segment 0: rather than copy u (kept as
+    segment 1's input), the relu runs at the end of segment 0, which then keeps its result."""
     torch.manual_seed(0)
     model = InplaceZoo()
     gm = fx.symbolic_trace(copy.deepcopy(model))
     names = compute_names(gm)
-    cut = names.index("relu")  # F.relu(u, inplace=True) starts segment 1, u comes from segment 0
+    cut = names.index("relu")
     opt = segment_module(gm, [names[:cut], names[cut : cut + 3], names[cut + 3 :]])
-    assert re.search(r"(\w+)_copy = \1\.clone\(\)", opt.segment_1.code)
+    assert "clone" not in opt.code + opt.segment_1.code and "functional.relu" not in opt.segment_1.code
+    assert re.search(r"relu = torch.nn.functional.relu\(\w+, inplace = True\)", opt.code)  # inline, not recomputed
+    assert_same_training(copy.deepcopy(model), opt, (torch.randn(5, 6),))
+
+
+def test_inplace_op_that_cannot_move_is_made_out_of_place():
+    """The same relu cannot move to segment 0 when segment 1 reads the old u before it: it gets a copy."""
+
+    class ReadThenRelu(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(6, 6)
+
+        def forward(self, x):
+            u = self.l1(x)
+            s = u * 2.0  # reads u before the relu overwrites it
+            v = torch.nn.functional.relu(u, inplace=True)
+            return s + v
+
+    torch.manual_seed(0)
+    model = ReadThenRelu()
+    opt = segment_module(fx.symbolic_trace(copy.deepcopy(model)), [["l1"], ["mul", "relu"], ["add"]])
+    assert "l1_copy = l1.clone()" in opt.segment_1.code
     assert "inplace = True" in opt.segment_1.code  # still the in-place op, on a private copy
     assert_same_training(copy.deepcopy(model), opt, (torch.randn(5, 6),))
 
@@ -457,11 +483,11 @@ def test_operator_iadd_on_a_segment_input_gets_a_copy():
     graph = fx.Graph()
     x = graph.placeholder("x")
     a = graph.call_function(operator.mul, (x, 2.0))
-    b = graph.call_function(operator.iadd, (a, 1.0))
+    b = graph.call_function(operator.iadd, (a, graph.call_function(torch.cos, (x,))))  # cos: segment 1
     c = graph.call_function(torch.sin, (b,))
     graph.output(graph.call_function(operator.add, (c, a)))  # reads a after the iadd
     gm = fx.GraphModule(nn.Module(), graph)
-    opt = segment_module(gm, [["mul"], ["iadd", "sin"], ["add"]])
+    opt = segment_module(gm, [["mul"], ["cos", "iadd", "sin"], ["add"]])
     assert "mul_copy = fxplan_codegen_copy_for_inplace(mul)" in opt.segment_1.code
     x1 = torch.randn(4, requires_grad=True)
     x2 = x1.detach().clone().requires_grad_()
@@ -469,3 +495,30 @@ def test_operator_iadd_on_a_segment_input_gets_a_copy():
     assert torch.equal(out1, out2)
     out1.sum().backward(), out2.sum().backward()
     assert torch.equal(x1.grad, x2.grad)
+
+
+@pytest.mark.parametrize("where", ["top", "nested", "alone"])
+def test_inplace_module_opening_a_sub_segment_runs_inline_in_the_closest_common_parent(where):
+    """``self.act`` (ReLU(inplace=True)) opens a leaf whose operand ``l2`` comes from another leaf: it runs
+    inline at the level where both leaves meet — the top level, or inside segment 0 between its two
+    sub-segments; alone in a segment, that segment is inlined — and nothing is copied; training stays
+    bitwise the same."""
+    torch.manual_seed(0)
+    model = InplaceZoo()
+    gm = fx.symbolic_trace(copy.deepcopy(model))
+    names = compute_names(gm)
+    cut = names.index("act")
+    if where == "top":
+        segments = [names[:cut], names[cut:]]
+        children = {"1": {"segments": [names[cut : cut + 3], names[cut + 3 :]]}}
+    elif where == "nested":
+        segments = [names[: cut + 3], names[cut + 3 :]]
+        children = {"0": {"segments": [names[:cut], names[cut : cut + 3]]}}
+    else:  # a segment of its own
+        segments, children = [names[:cut], [names[cut]], names[cut + 1 :]], {}
+    opt = segment_module(gm, segments, children)
+    parent = opt.segment_0 if where == "nested" else opt
+    assert "act = self.act(" in parent.code
+    assert not any("l2_copy" in s.code for s in opt.modules() if isinstance(s, fx.GraphModule))
+    assert opt.fxplan_segments == tuple(tuple(s) for s in segments)  # the plan as given
+    assert_same_training(copy.deepcopy(model), opt, (torch.randn(5, 6),))

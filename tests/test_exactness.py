@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 
 import pytest
 import torch
@@ -119,7 +120,8 @@ def test_resnet50_eight_segments_where_checkpoint_sequential_fails():
     plan[0], plan[1] = names[:2], [v for v in plan[0] + plan[1] if v not in names[:2]]  # cut at relu
     opt = rewrite_copy(model, lambda gm: plan)
     assert len(opt.segment_modules()) == 8
-    assert "bn1_copy = bn1.clone()" in opt.segment_1.code  # the in-place ReLU reads a copy
+    # the in-place ReLU runs between segments 0 and 1, not recomputed, so segment 1 keeps its result
+    assert re.search(r"relu = self\.relu\(\w+\)", opt.code) and "clone" not in opt.segment_1.code
     assert_same_training(copy.deepcopy(model), opt, (x,))
 
 
