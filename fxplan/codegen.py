@@ -413,10 +413,6 @@ class _Rewrite:
                 last = n
 
 
-def _leaf_blocks(blocks: list[subplans.Block]) -> list[subplans.Block]:
-    return [leaf for b in blocks for leaf in ([b] if b.sub is None else _leaf_blocks(b.sub))]
-
-
 def _split_off(
     blocks: list[subplans.Block], openers: list[tuple[str, int, int]]
 ) -> tuple[list[subplans.Block], set[int]]:
@@ -440,7 +436,7 @@ def _split_off(
                 walk(b.sub, [*prefix, i])
 
     walk(blocks, [])
-    leaves = _leaf_blocks(blocks)
+    leaves = subplans.leaf_blocks(blocks)
     plain: set[int] = set()
     moves = []
     for name, j, s in openers:
@@ -491,7 +487,7 @@ def segment_module(
     given = subplans.tree(segments, children)
     plan = _validate(gm, subplans.leaves(given))
     blocks, plain = _split_off(given, _Rewrite(gm, plan).inplace_openers())
-    leaves = _leaf_blocks(blocks)
+    leaves = subplans.leaf_blocks(blocks)
     rw = _Rewrite(gm, subplans.leaves(blocks), frozenset(i for i, b in enumerate(leaves) if id(b) in plain))
     rw.fix_inplace()
     rw.check_random_order()

@@ -70,12 +70,14 @@ def tree(segments: Sequence[Sequence[str]], children: Mapping[str, Any] | None,
     return blocks
 
 
+def leaf_blocks(blocks: list[Block]) -> list[Block]:
+    """The innermost blocks in execution order."""
+    return [leaf for b in blocks for leaf in ([b] if b.sub is None else leaf_blocks(b.sub))]
+
+
 def leaves(blocks: list[Block]) -> list[list[str]]:
     """The innermost segments in execution order: the flat plan the nested one refines."""
-    out: list[list[str]] = []
-    for b in blocks:
-        out.extend([b.names] if b.sub is None else leaves(b.sub))
-    return out
+    return [b.names for b in leaf_blocks(blocks)]
 
 
 def as_children(blocks: list[Block]) -> dict[str, dict[str, Any]]:
