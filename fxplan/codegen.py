@@ -486,9 +486,11 @@ def segment_module(
         raise FxplanError("segments must be a list of lists of node names")
     given = subplans.tree(segments, children)
     plan = _validate(gm, subplans.leaves(given))
-    blocks, plain = _split_off(given, _Rewrite(gm, plan).inplace_openers())
-    leaves = subplans.leaf_blocks(blocks)
-    rw = _Rewrite(gm, subplans.leaves(blocks), frozenset(i for i, b in enumerate(leaves) if id(b) in plain))
+    rw = _Rewrite(gm, plan)
+    blocks, plain = _split_off(given, rw.inplace_openers())
+    if plain:  # in-place ops split off: the leaves changed, and so does the rewrite
+        leaves = subplans.leaf_blocks(blocks)
+        rw = _Rewrite(gm, subplans.leaves(blocks), frozenset(i for i, b in enumerate(leaves) if id(b) in plain))
     rw.fix_inplace()
     rw.check_random_order()
     graph = rw.graph
