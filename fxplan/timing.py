@@ -5,6 +5,8 @@ Wall-clock ratios of a few steps on a shared machine are noise (3 steps at batch
 ``fxplan compare`` and ``scripts/step_time.py``):
 
 * the thread count is fixed (``torch.set_num_threads``) for the whole measurement;
+* the C allocator is made steady (:func:`steady_allocator`): freed memory stays in the process for the
+  next step, as a GPU's caching allocator keeps it, whatever ran before in the process;
 * warm-up rounds run every method before anything is recorded (allocator, caches, lazy init);
 * each round runs every method once, in an order rotated from round to round, so that load on the
   machine and the position in the round hit every method alike;
@@ -19,6 +21,8 @@ resolution and scheduling jitter not to matter.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +35,11 @@ from fxplan.errors import FxplanError
 
 #: A step shorter than this (seconds) is too short to time reliably on a shared CPU.
 MIN_STEP_SECONDS = 0.5
+
+#: glibc's ``mallopt`` parameters (``malloc.h``) and the values :func:`steady_allocator` pins them to: never
+#: trim the heap, and serve every allocation up to 32 MiB (glibc's largest mmap threshold) from it.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_NEVER_TRIM, _LARGEST_MMAP_THRESHOLD = 2**31 - 1, 32 << 20
 
 
 @dataclass
@@ -103,6 +112,27 @@ def fixed_threads(threads: int | None) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
+def steady_allocator() -> bool:
+    """Make glibc's malloc keep freed memory for reuse, so a step's time does not depend on the process's
+    history; True if it was done (glibc), False elsewhere.
+
+    On the CPU, tensors come from the C library's ``malloc``. glibc adapts its mmap and trim thresholds
+    as the process runs and, depending on what was freed before, returns the top of the heap to the
+    system when a backward pass frees the activations; the next step then page-faults that memory back in.
+    Whether it does so depends on what ran earlier in the process: one vanilla DenseNet-161 step
+    (batch 4, 224²) took 1.51 s in one process and 1.17-1.26 s in others, and the cost grows with the
+    bytes a step allocates, so it flatters plans with smaller peaks. Pinned thresholds (never trim; heap up
+    to 32 MiB per allocation) keep freed memory in the process, as a GPU's caching allocator does.
+    Allocations above 32 MiB are still mapped and unmapped each time. The change is process-wide and lasts
+    (glibc cannot go back to adaptive thresholds); it changes speed, never results.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)) and bool(
+        libc.mallopt(_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD))
+
+
 def training_step(module: torch.nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor],
                   device: torch.device | str = "cpu") -> Callable[[], float]:
     """A function that runs one forward + backward of ``module`` and returns its wall seconds (gradients
@@ -136,6 +166,7 @@ def time_interleaved(steps: dict[str, Callable[[], float]], *, baseline: str | N
         raise FxplanError(f"need rounds >= 1 and warmup >= 0, got rounds={rounds}, warmup={warmup}")
     timings = {name: Timing(name) for name in steps}
     names = list(steps)
+    steady_allocator()
     with fixed_threads(threads):
         for rnd in range(warmup + rounds):
             if on_round:
@@ -165,6 +196,7 @@ def batch_for_step(step_at: Callable[[int], float], start: int, *, most: int,
     ``step_at(batch)`` (seconds of one step, after a warm-up step), takes at least ``target`` seconds;
     ``most`` if none does. Returns (batch, seconds of its step)."""
     batch = max(1, min(start, most))
+    steady_allocator()
     while True:
         step_at(batch)  # warm-up
         seconds = step_at(batch)
@@ -174,4 +206,4 @@ def batch_for_step(step_at: Callable[[int], float], start: int, *, most: int,
 
 
 __all__ = ["MIN_STEP_SECONDS", "Timing", "batch_for_step", "describe_ratio", "fixed_threads", "quartiles",
-           "time_interleaved", "training_step"]
+           "steady_allocator", "time_interleaved", "training_step"]

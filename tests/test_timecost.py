@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 import pytest
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxplan import timing
 from fxplan.errors import FxplanError
 from fxplan.plans import Plan
 from fxplan.timecost import T_SECONDS, ByteCounter, device_speed, op_key
@@ -156,6 +158,20 @@ def test_ratio_text_never_calls_noise_a_speed_up():
     assert describe_ratio(1.2, 1.1, 1.3) == "1.20x (1.10-1.30)"
     assert describe_ratio(None, None, None) == "-"
     assert quartiles([1.0, 2.0]) == (1.0, 2.0) and quartiles([1, 2, 3, 4, 5]) == (2, 4)
+
+
+def test_timing_makes_the_allocator_steady_first(monkeypatch):
+    """Every timed step runs after :func:`fxplan.timing.steady_allocator` (which pins glibc's thresholds)."""
+    calls: list[str] = []
+    monkeypatch.setattr(timing, "steady_allocator", lambda: calls.append("steady"))
+    time_interleaved({"vanilla": lambda: calls.append("step") or 1.0}, baseline="vanilla", rounds=1, warmup=1)
+    assert calls == ["steady", "step", "step"]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="pins glibc's malloc")
+def test_steady_allocator_pins_glibc_thresholds():
+    assert timing.steady_allocator() is True
+    assert timing.steady_allocator() is True  # idempotent
 
 
 def test_fixed_threads_restores_the_count():
