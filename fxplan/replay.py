@@ -58,7 +58,7 @@ class StepModel:
     storage of its own); ``inplace``: node -> the node whose value it overwrites; ``grad_inputs``:
     node -> the inputs its backward gives a gradient; ``passes``: nodes without a backward of their
     own (their inputs get the incoming gradient itself). The last two come from the trace
-    (``cg.graph["gradients"]``).
+    (``cg.graph["gradients"]``). ``random_inplace``: the in-place nodes that draw random numbers.
     """
 
     resident: int
@@ -70,6 +70,7 @@ class StepModel:
     inplace: dict[str, str]
     grad_inputs: dict[str, frozenset[str]]
     passes: frozenset[str]
+    random_inplace: frozenset[str] = frozenset()
 
 
 def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -81,6 +82,7 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     param_grads: dict[str, tuple[tuple[int, int], ...]] = {}
     views: dict[str, str] = {}
     inplace: dict[str, str] = {}
+    random_inplace: set[str] = set()
     for node in gm.graph.nodes:
         if node.name not in cg:
             continue
@@ -97,6 +99,8 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
         source = effects.view_source(node, gm)
         if mutated is not None:
             inplace[node.name] = mutated.name
+            if effects.is_random(node, gm):
+                random_inplace.add(node.name)
         elif source is not None:
             views[node.name] = source.name
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -104,7 +108,8 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     grads_exist = any(p.grad is not None for p in model.parameters())
     call = as_call(example_inputs)
     resident = resident_bytes(model, (call.args, call.kwargs))
-    return StepModel(resident, grads_exist, param_grads, outputs, output_grad, views, inplace, grad_inputs, passes)
+    return StepModel(resident, grads_exist, param_grads, outputs, output_grad, views, inplace, grad_inputs, passes,
+                     frozenset(random_inplace))
 
 
 def output_gradient(cg: CostGraph, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> float:
@@ -166,6 +171,7 @@ class _Replayer:
             self.preds[w].append(u)
             self.succs[u].append(w)
         self.copies = _inplace_copies(sm, self.order, self.seg, self.succs, self.k)
+        self.copies -= _inplace_openers(sm, self.segments, self.seg, self.preds, self.succs, list(cg.nodes))
         self.bytes: dict[int, int] = {}
         self.holders: dict[int, set] = {}
         self.current = self.peak = sm.resident
@@ -352,9 +358,9 @@ def _roots(sm: StepModel, order: Sequence[str]) -> dict[str, str]:
 
 
 def _inplace_copies(sm: StepModel, order: Sequence[str], seg: dict[str, int], succs, k: int) -> set[str]:
-    """In-place nodes the rewriter gives a private copy of their operand (:mod:`fxplan.codegen`'s rule:
-    a value sharing the overwritten storage is read, as a segment input, by a recomputed segment that
-    runs no later than the op)."""
+    """In-place nodes whose operand needs a private copy by :mod:`fxplan.codegen`'s rule (a value sharing
+    the overwritten storage is read, as a segment input, by a recomputed segment that runs no later than
+    the op), before :func:`_inplace_openers` takes out those the rewriter runs between segments instead."""
     root = _roots(sm, order)
     members: dict[str, list[str]] = {}
     for v in order:
@@ -369,3 +375,30 @@ def _inplace_copies(sm: StepModel, order: Sequence[str], seg: dict[str, int], su
                 copies.add(v)
                 break
     return copies
+
+
+def _inplace_openers(sm: StepModel, segments: Sequence[Sequence[str]], seg: dict[str, int], preds, succs,
+                     program: Sequence[str]) -> set[str]:
+    """In-place nodes the rewriter runs by themselves between two segments, on no copy: the conditions of
+    :meth:`fxplan.codegen._Rewrite.inplace_openers`, read off the step model (``program``: the nodes in
+    program order). tests/test_replay.py checks the two agree on every plan of a ResNet."""
+    k = len(segments)
+    position = {v: i for i, v in enumerate(program)}
+    aliased: dict[str, int] = {}
+    for a in [*sm.inplace.values(), *sm.views.values()]:
+        aliased[a] = aliased.get(a, 0) + 1
+    found = set()
+    for v, a in sm.inplace.items():
+        if v not in seg or a not in seg or v in sm.random_inplace:
+            continue
+        j, s = seg[a], seg[v]
+        if not (j < s < k - 1 and min(segments[s], key=position.__getitem__) == v):
+            continue
+        if aliased[a] > 1 or a in sm.inplace or a in sm.views:
+            continue  # a is an alias, or has a view or another in-place op: it gets the copy
+        if any(seg[u] > j for u in preds[v] if u != a):
+            continue
+        if any(seg[r] > j for r in succs[a] if r != v and position[r] < position[v]):
+            continue
+        found.add(v)
+    return found

@@ -3,6 +3,7 @@ meter, and the sweep memory model (``fxplan.sweep_model``) against its own defin
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from unittest import mock
@@ -115,3 +116,65 @@ def test_sweep_model_follows_the_backward_of_a_chain():
     # at c (processed first): saved a and b (110), c's gradient (1), b's new gradient (10)
     # at b: saved a (100), b's gradient (10), a's new gradient (100) -> 210, the peak
     assert F == 210
+
+
+
+class _ReadBeforeInPlace(torch.nn.Module):
+    """``relu_`` on a value that another op read first: a cut between them needs a copy of the value."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2, self.conv3 = (torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(3))
+
+    def forward(self, x):
+        a = self.conv1(x)
+        b = self.conv2(a)
+        a = torch.relu_(a)
+        return self.conv3(a) + b
+
+
+def _copies_compared(model, inputs, plans) -> tuple[int, int]:
+    """Check the replay's in-place copies against the rewriter's on ``plans``; (plans with a copy, plans with an
+    in-place op run between segments)."""
+    from fxplan.codegen import copy_for_inplace
+    from fxplan.replay import _Replayer
+
+    cg = trace(model, inputs)
+    sm = step_model(cg, model, inputs)
+    with_copy = with_inline = 0
+    for segments in plans(compute_names(cg.graph["gm"])):
+        try:
+            module = segment_module(cg.graph["gm"], segments)
+        except FxplanError:
+            continue
+        graphs = [module.graph] + [seg.graph for seg in module.segment_modules()]
+        copied = {u.name for g in graphs for c in g.nodes
+                  if c.target is copy_for_inplace or (c.op == "call_method" and c.target == "clone") for u in c.users}
+        assert _Replayer(cg, sm, segments).copies == copied, segments
+        with_copy += bool(copied)
+        with_inline += any(seg[0] in sm.inplace and seg[0] not in copied for seg in segments[1:-1])
+    return with_copy, with_inline
+
+
+def _cuts(names: list[str], k: int, stride: int = 1) -> list[list[list[str]]]:
+    """Every plan of ``k`` contiguous segments whose cuts are ``stride`` apart or more (and at multiples of it)."""
+    points = range(1, len(names), stride)
+    plans = []
+    for cut in itertools.combinations(points, k - 1):
+        bounds = [0, *cut, len(names)]
+        plans.append([names[a:b] for a, b in zip(bounds, bounds[1:])])
+    return plans
+
+
+def test_replay_copies_exactly_the_in_place_operands_the_rewriter_copies():
+    """The replay's in-place rule (which ops get a private copy of their operand, and which ones the rewriter
+    runs between segments instead, :meth:`fxplan.codegen._Rewrite.inplace_openers`) is the rewriter's."""
+    torch.manual_seed(0)
+    with FakeTensorMode():
+        small, images = (torch.randn(2, 4, 8, 8),), (torch.randn(2, 3, 32, 32),)
+    copies, inline = _copies_compared(_ReadBeforeInPlace().train(), small,
+                                      lambda names: _cuts(names, 3) + _cuts(names, 4))
+    assert copies and inline  # both rules exercised
+    resnet = torchvision.models.resnet18(weights=None).train()
+    _, inline = _copies_compared(resnet, images, lambda names: _cuts(names, 3, stride=5))
+    assert inline  # each block's relu after its add, at a cut just before it
