@@ -28,7 +28,8 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
 
 4. **Below the canonical plans.** When no candidate fits B, and for the smallest peak (no budget, or
    ``strategy="memory"``), the nested search of :mod:`fxplan.nested` starts from the candidate of least
-   measured peak, and from each other solver's smallest candidate (:meth:`Search._seeds`), and looks
+   measured peak, and from each other solver's smallest candidate (and, while a start lowers nothing, from
+   the next plan of its solver by measured peak: :meth:`Search._seeds`), and looks
    for a nested plan (sub-segments checkpointed inside segments) that measures lower; the lowest found
    is taken (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan
    returned is the least recomputation among the nested plans measured that fit
@@ -98,6 +99,10 @@ FRONTIER_SETS = 1000
 
 #: The same for the exact DP on lattices too large for its family engine, where a solve takes seconds.
 LARGE_STEP, LARGE_FRONTIER = 0.05, 12
+
+#: The nested search starts from at most this many plans per solver, in turn while none lowers anything
+#: (:meth:`Search._seeds`); a start that lowers nothing costs at most ``fxplan.nested.PATIENCE`` measurements.
+SEEDS_PER_SOLVER = 8
 
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
 NEGLIGIBLE = 0.001
@@ -257,11 +262,15 @@ class Search:
             self._lowest = self.smallest()
             self._nested = nested = NestedSearch(self.cg, self.inputs, self.loss_fn)
             lowest = None
-            for seed in self._seeds() if nested.max_measurements > 0 else []:
-                found = nested.improve(seed.plan, seed.measured, seed.segment_replayed)
-                if found is not None and found.measured < self._lowest.measured:
-                    self._lowest = _nested_candidate(self.cg, found, seed.plan)
-                    lowest = found, seed.plan
+            for group in self._seeds() if nested.max_measurements > 0 else []:
+                for seed in group:
+                    found = nested.improve(seed.plan, seed.measured, seed.segment_replayed)
+                    if found is None:
+                        continue
+                    if found.measured < self._lowest.measured:
+                        self._lowest = _nested_candidate(self.cg, found, seed.plan)
+                        lowest = found, seed.plan
+                    break
             if lowest is not None:  # plans of that peak that recompute less join nested.measured
                 nested.cheapen(*lowest)
         return self._lowest
@@ -273,19 +282,27 @@ class Search:
             return None
         return _nested_candidate(self.cg, *got)
 
-    def _seeds(self) -> list[Candidate]:
-        """Where the nested search starts: the smallest candidate, then the smallest of each other solver's
-        candidates (so a DP solver's search starts where ``solver="chen"``'s does, and ends at most as
-        high). The search is local, and where it ends depends on where it starts: on ResNet-50 at batch
-        96 it lowers nothing from the approximate DP's smallest plan (2.39 GiB) but goes from Chen's
-        (2.76 GiB) to 2.25 GiB (docs/rewrite.md)."""
+    def _seeds(self) -> list[list[Candidate]]:
+        """Where the nested search starts, one list per solver: the smallest candidate, then the smallest of
+        each other solver's candidates (so a DP solver's search starts where ``solver="chen"``'s does, and
+        ends at most as high); after each, its solver's other measured plans by measured peak (at most
+        ``SEEDS_PER_SOLVER`` in all), tried in turn while none lowers anything. The search is local, and
+        where it ends depends on where it starts: on ResNet-50 at batch 96 it lowers nothing from the
+        approximate DP's smallest plan (2.39 GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB
+        (docs/rewrite.md); at batch 8 four of Chen's plans measure the same peak and only the last of
+        them (the √n plan) leads lower."""
         best = self.smallest()
         by_solver: dict[str, list[Candidate]] = {}
         for c in [*self._walk(), *self.floor()]:
             by_solver.setdefault(c.plan.solver, []).append(c)
-        by_solver.pop(best.plan.solver)
-        seeds = [self._smallest_of(group) for _, group in sorted(by_solver.items())]
-        return [best] + [c for c in seeds if c is not None]
+        groups = []
+        for solver, group in sorted(by_solver.items(), key=lambda item: item[0] != best.plan.solver):
+            low = best if solver == best.plan.solver else self._smallest_of(group)
+            if low is not None:
+                others = sorted((c for c in group if c.measured is not None and c is not low),
+                                key=lambda c: (c.measured, c.recompute))
+                groups.append([low, *others][:SEEDS_PER_SOLVER])
+        return groups
 
     def least_recompute(self, budget: int) -> Candidate | None:
         """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak)."""
