@@ -47,13 +47,13 @@ from collections.abc import Iterator
 
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.family_dp import _CONTEXTS, _EPS, Context, _chain_costs, _family_run, context
+from fxplan.family_dp import _EPS, Context, _chain_costs, _family_run, context, forget_context
 from fxplan.lowersets import GraphIndex, enumerate_lower_sets, iter_bits
 from fxplan.memory_model import BoundModel, evaluate_chain
 from fxplan.plans import Plan, _fmt_bytes
 
 __all__ = ["DEFAULT_MAX_STATES", "DEFAULT_TIME_LIMIT", "FAMILY_LIMIT", "Context", "context", "min_budget_bytes",
-           "plan_from_chain", "solve", "_CONTEXTS"]
+           "plan_from_chain", "solve", "forget_context"]
 
 FAMILY_LIMIT = 20_000
 """Exact DP uses the family engine up to this many lower sets, the search engine above."""

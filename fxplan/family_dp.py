@@ -11,7 +11,6 @@ index, families and priced moves of a cost graph between solves. See docs/planne
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,17 +89,24 @@ class Context:
         return self.families[key]
 
 
-_CONTEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _fingerprint(cg: CostGraph) -> int:
     attrs = ("T", "M", "saved", "saves_output", "saved_inputs")
     nodes = tuple((v, *(repr(d.get(k)) for k in attrs)) for v, d in cg.nodes(data=True))
     return hash((nodes, tuple(cg.edges(data="order_only", default=False))))
 
 
+def forget_context(cg: CostGraph) -> None:
+    """Drop the planning contexts kept on ``cg`` (:func:`context`), so that the next solve builds them again:
+    for timing a solve from scratch."""
+    cg.__dict__.pop("_fxplan_context", None)
+
+
 def context(cg: CostGraph, memory_model=None) -> Context:
-    """The planning context of ``cg`` under ``memory_model``, reused while the graph is unchanged."""
+    """The planning context of ``cg`` under ``memory_model``, reused while the graph is unchanged.
+
+    Kept on the graph object itself, so it lives exactly as long as the graph: a context refers to its
+    graph (``GraphIndex.cg``), and a weakly keyed global cache of them never let go of any (every traced
+    model, through the graph's ``gm``, stayed alive for the rest of the process)."""
     model = get_model(memory_model)
     try:
         hash(model)
@@ -108,10 +114,10 @@ def context(cg: CostGraph, memory_model=None) -> Context:
         ix = GraphIndex.build(cg)
         return Context(ix, model.bind(ix))
     key = _fingerprint(cg)
-    held = _CONTEXTS.get(cg)
+    held = getattr(cg, "_fxplan_context", None)
     if held is None or held[0] != key:
         held = (key, GraphIndex.build(cg), {})
-        _CONTEXTS[cg] = held
+        cg._fxplan_context = held
     if model not in held[2]:
         held[2][model] = Context(held[1], model.bind(held[1]))
     return held[2][model]

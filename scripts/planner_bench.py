@@ -33,9 +33,12 @@ NETS = ["resnet50", "resnet152", "vgg19", "densenet161", "googlenet", "unet", "p
 GiB = float(1 << 30)
 
 
-def timed(fn):
-    if hasattr(dp, "_CONTEXTS"):
-        dp._CONTEXTS.clear()  # every solve from scratch
+def timed(fn, cg, *engines):
+    for engine in engines:  # every solve from scratch
+        if hasattr(engine, "forget_context"):
+            engine.forget_context(cg)
+        elif hasattr(engine, "_CONTEXTS"):  # a reference engine from before contexts were kept on the graph
+            engine._CONTEXTS.clear()
     t0 = time.perf_counter()
     try:
         out = fn()
@@ -83,11 +86,11 @@ def bench(name: str, model: str, exact_limit: float, fraction: float, exact_tc: 
         if key == "exact_tc" and not exact_tc:
             row[key] = ("skipped", 0.0, None)
             continue
-        row[key] = timed(lambda fn=fn: fn(dp))
+        row[key] = timed(lambda fn=fn: fn(dp), cg, dp)
         if ref is not None:
-            row[key + "_ref"] = timed(lambda fn=fn: fn(ref))
-    row["chen"] = timed(lambda: chen.solve(cg, budget, variant="greedy", memory_model=model))
-    row["chen_free"] = timed(lambda: chen.solve(cg, None, variant="greedy", memory_model=model))
+            row[key + "_ref"] = timed(lambda fn=fn: fn(ref), cg, ref)
+    row["chen"] = timed(lambda: chen.solve(cg, budget, variant="greedy", memory_model=model), cg, dp)
+    row["chen_free"] = timed(lambda: chen.solve(cg, None, variant="greedy", memory_model=model), cg, dp)
     return row
 
 

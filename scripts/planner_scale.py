@@ -77,8 +77,10 @@ def child(graph: str, engine: str, solve: str) -> None:
     vanilla = None
     if solve.startswith("tc_") and solve != "tc_min":
         vanilla = dp.solve(cg, None).predicted_peak_bytes
-        if hasattr(dp, "_CONTEXTS"):
-            dp._CONTEXTS.clear()  # time the solve from scratch
+        if hasattr(dp, "forget_context"):  # time the solve from scratch
+            dp.forget_context(cg)
+        elif hasattr(dp, "_CONTEXTS"):  # a reference engine from before contexts were kept on the graph
+            dp._CONTEXTS.clear()
     base_rss = _reset_peak_rss()
     t0 = time.perf_counter()
     if solve == "min":

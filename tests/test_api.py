@@ -124,3 +124,20 @@ def test_bad_arguments_are_fxplan_errors(resnet, fake_batch):
         fxplan.plan(resnet, fake_batch, budget_gb=1, strategy="fast")
     with pytest.raises(FxplanError, match="nn.Module"):
         fxplan.rewrite(lambda x: x, 1)
+
+
+def test_rewrite_keeps_nothing_alive_once_its_result_is_dropped():
+    """fxplan holds no global reference to what it planned: dropping the model and the rewritten module frees
+    both (a weakly keyed cache of planning contexts once kept every traced model for the whole process)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).train()
+    with FakeTensorMode():
+        inputs = (torch.randn(2, 3, 32, 32),)
+    optimized = fxplan.rewrite(model, None, example_inputs=inputs)
+    gone = [weakref.ref(model), weakref.ref(optimized)]
+    del model, optimized
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
