@@ -117,6 +117,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
                                           captured.interface.output(propagator.result))
     if cost_model in TIME_MODELS:
         _time_costs(cg, gm, propagator, cost_model)
+    propagator.release()
     return cg
 
 
@@ -255,6 +256,22 @@ class _CostPropagator(torch.fx.Interpreter):
         self.records[n.name] = record
         self.grad_fns[n.name] = {t.grad_fn for t in _tensors(out) if t.grad_fn is not None}
         return out
+
+    def release(self) -> None:
+        """Drop the propagation's values, last node first.
+
+        The propagation ran with grad enabled and keeps every value, so it holds one autograd graph as deep
+        as the model. Dropped in program order (as a dict lets go of its values), the last value would
+        take the whole chain of autograd nodes with it, one destructor inside the other: at 20,000 nodes
+        that overflows the C stack (a segmentation fault). Dropped last first, each value's autograd node
+        goes alone, as the one before it is still held.
+        """
+        self.result = None
+        for node in reversed(self.module.graph.nodes):
+            self.env.pop(node, None)
+            self.grad_fns.pop(node.name, None)
+            if node.name in self.records:
+                self.records[node.name].call = ((), {})
 
     def gradients(self) -> tuple[dict[str, frozenset[str]], frozenset[str]]:
         """Which inputs of each node its backward gives a gradient, and which nodes have no backward of
