@@ -381,7 +381,8 @@ def _inplace_openers(sm: StepModel, segments: Sequence[Sequence[str]], seg: dict
                      program: Sequence[str]) -> set[str]:
     """In-place nodes the rewriter runs by themselves between two segments, on no copy: the conditions of
     :meth:`fxplan.codegen._Rewrite.inplace_openers`, read off the step model (``program``: the nodes in
-    program order). tests/test_replay.py checks the two agree on every plan of a ResNet."""
+    program order). tests/test_replay.py checks that the two agree on the cuts of a ResNet and of a model
+    with a read before an in-place op."""
     k = len(segments)
     position = {v: i for i, v in enumerate(program)}
     aliased: dict[str, int] = {}

@@ -101,7 +101,8 @@ FRONTIER_SETS = 1000
 LARGE_STEP, LARGE_FRONTIER = 0.05, 12
 
 #: The nested search starts from at most this many plans per solver, in turn while none lowers anything
-#: (:meth:`Search._seeds`); a start that lowers nothing costs at most ``fxplan.nested.PATIENCE`` measurements.
+#: (:meth:`Search._seeds`); a start that lowers nothing costs one round of moves at most
+#: (``fxplan.nested.MOVES_PER_ROUND`` measurements).
 SEEDS_PER_SOLVER = 8
 
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.

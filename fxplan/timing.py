@@ -36,10 +36,11 @@ from fxplan.errors import FxplanError
 #: A step shorter than this (seconds) is too short to time reliably on a shared CPU.
 MIN_STEP_SECONDS = 0.5
 
-#: glibc's ``mallopt`` parameters (``malloc.h``) and the values :func:`steady_allocator` pins them to: never
-#: trim the heap, and serve every allocation up to 32 MiB (glibc's largest mmap threshold) from it.
+#: glibc's ``mallopt`` parameters (``malloc.h``) and the values :func:`steady_allocator` pins them to: trim
+#: the heap only when 2 GiB at its top are free, and serve every allocation up to 32 MiB (glibc's largest
+#: mmap threshold) from it.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_NEVER_TRIM, _LARGEST_MMAP_THRESHOLD = 2**31 - 1, 32 << 20
+_TRIM_ABOVE, _LARGEST_MMAP_THRESHOLD = 2**31 - 1, 32 << 20
 
 
 @dataclass
@@ -121,15 +122,16 @@ def steady_allocator() -> bool:
     system when a backward pass frees the activations; the next step then page-faults that memory back in.
     Whether it does so depends on what ran earlier in the process: one vanilla DenseNet-161 step
     (batch 4, 224²) took 1.51 s in one process and 1.17-1.26 s in others, and the cost grows with the
-    bytes a step allocates, so it flatters plans with smaller peaks. Pinned thresholds (never trim; heap up
-    to 32 MiB per allocation) keep freed memory in the process, as a GPU's caching allocator does.
+    bytes a step allocates, so it flatters plans with smaller peaks. Pinned thresholds (trim only above
+    2 GiB free; heap up to 32 MiB per allocation) keep freed memory in the process, as a GPU's caching
+    allocator does.
     Allocations above 32 MiB are still mapped and unmapped each time. The change is process-wide and lasts
     (glibc cannot go back to adaptive thresholds); it changes speed, never results.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM)) and bool(
+    return bool(libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE)) and bool(
         libc.mallopt(_M_MMAP_THRESHOLD, _LARGEST_MMAP_THRESHOLD))
 
 
