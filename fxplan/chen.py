@@ -32,7 +32,7 @@ import time
 from fxplan.costgraph import CostGraph
 from fxplan.dp import plan_from_chain
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.lowersets import GraphIndex
+from fxplan.lowersets import GraphIndex, iter_bits
 from fxplan.memory_model import BoundModel, evaluate_chain, get_model
 from fxplan.plans import Plan, _fmt_bytes
 
@@ -40,11 +40,20 @@ GRID_SIZE = 6
 
 
 def split_points(ix: GraphIndex) -> list[int]:
-    """Topological indices of the split points (module docstring), increasing; V's last node excluded."""
+    """Topological indices of the split points (module docstring), increasing; V's last node excluded.
+
+    ∂(L_v) = {v} when v has readers (all outside L_v) and every other member of L_v has all its readers
+    in L_v; the members other than v are the union of the L_p of v's predecessors, so what they read is
+    the union of what those L_p read, carried along the topological order (O(edges) bitset unions)."""
+    read_by = [0] * ix.n  # the readers of the members of L_v
     out = []
     for v in range(ix.n):
+        below = 0
+        for p in iter_bits(ix.pred[v]):
+            below |= read_by[p]
+        read_by[v] = below | ix.dsucc[v]
         L = ix.anc[v]
-        if L != ix.full and ix.boundary(L) == 1 << v:
+        if L != ix.full and ix.dsucc[v] and not below & ~L:
             out.append(v)
     return out
 

@@ -315,6 +315,20 @@ def _chain_costs(ctx: Context, fam: Family, chain: list[int]) -> tuple[int, floa
     return max(seg), float(sum(H.tolist())), seg
 
 
+def _strided_chains_peak(ctx: Context, fam: Family, sub: np.ndarray) -> float:
+    """The least peak of the plans that take every k-th set of ``sub`` (k = 1, 2, 4, ...; ∅ and V always).
+
+    A cap for the coarsest pass of :func:`_min_peak_chain` that costs a few hundred moves: any plan's peak
+    bounds the least one, and without a cap that pass prices every pair of its sets, most of them long
+    segments whose peak no plan of least peak needs."""
+    best, k = math.inf, 1
+    while k < len(sub):
+        chain = np.unique(np.r_[sub[k::k], sub[-1]]).tolist()
+        best = min(best, _chain_costs(ctx, fam, chain)[0])
+        k *= 2
+    return best
+
+
 def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
     """A plan of least peak over ``fam`` (:func:`_bottleneck`), coarse to fine.
 
@@ -326,8 +340,9 @@ def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
     """
     if id(fam) in ctx.least_peak:
         return list(ctx.least_peak[id(fam)])
-    cap = math.inf
-    for sub in _levels(fam.S):
+    levels = _levels(fam.S)
+    cap = _strided_chains_peak(ctx, fam, levels[0]) if len(levels) > 1 else math.inf
+    for sub in levels:
         mv = _priced_moves(ctx, fam, cap, sub, sub)
         psi, nxt = _bottleneck(fam, sub, mv)
         if len(sub) == fam.S:

@@ -29,8 +29,8 @@ recomputed). Every term depends on ``L`` and ``L'`` only, so the DP is unchanged
 
 :func:`fxplan.replay.replay` follows the whole step the same way (and more: cache values freed once
 their last reader is done, the model outputs held by the training loop, parameter gradients); this
-model is what a DP can afford. The family engine evaluates it for all pairs of sets at once with one
-cumulative sum of events per target set (:meth:`_BoundSweep.pair_costs`); the exact DP's search engine
+model is what a DP can afford. The family engine evaluates it for many pairs of sets at once, one
+cumulative sum per block of source sets of a target set (:meth:`_BoundSweep.pair_costs`); the exact DP's search engine
 (lattices too large for the family engine) evaluates each move from scratch with :meth:`transition`.
 """
 
@@ -62,7 +62,7 @@ class SweepModel:
         return _BoundSweep(ix)
 
 
-#: Events (4 numbers each) the sweep model keeps per bound graph for the targets it has priced (~160 MB).
+#: Events (4 numbers each) of targets' boundary members the sweep model keeps per bound graph (~160 MB at most).
 EVENTS_HELD = 5_000_000
 
 #: Sources of one target priced together by the sweep model's ``pair_costs``.
@@ -91,6 +91,7 @@ class _BoundSweep(BoundModel):
                 if not (kind == "slice" or (kind == "same" and M[p] == M[v])):
                     self.alloc[v] += M[p]
         self.sinks = sum(1 << u for u in range(n) if not ix.dsucc[u])
+        self._sink_nodes = np.array([u for u in range(n) if not ix.dsucc[u]], dtype=np.int64)
         self._held_events: dict[int, tuple[np.ndarray, ...]] = {}
         self._held_count = 0
         self._interior: tuple[np.ndarray, ...] | None = None  # events of every node as a member of V
@@ -122,42 +123,46 @@ class _BoundSweep(BoundModel):
             self._node_events(u, Lp, ends, out)
         return out
 
-    def _sorted_events(self, fam, j: int, lp: np.ndarray) -> tuple[np.ndarray, ...]:
-        """:meth:`_events` of the family's set ``j`` (member mask ``lp``) as arrays (position, bytes, node,
-        gate) sorted as tuples, kept for later calls (the budget search prices moves into the same targets
-        solve after solve) up to ``EVENTS_HELD``.
+    def _interior_events(self) -> tuple[np.ndarray, ...]:
+        """The events of every node as a member of V (where only the model's outputs end), grouped by
+        node: (ptr, position, bytes, node, gate), ``ptr`` the CSR offsets by node."""
+        if self._interior is None:
+            per_node: list[list[tuple[int, int, int, int]]] = []
+            for u in range(self.ix.n):
+                per_node.append([])
+                self._node_events(u, self.ix.full, self.sinks, per_node[-1])
+            ptr = np.zeros(self.ix.n + 1, dtype=np.int64)
+            ptr[1:] = np.cumsum([len(x) for x in per_node])
+            flat = [e for x in per_node for e in x]
+            cols = [np.array(c, dtype=np.int64) for c in zip(*flat)] if flat else [np.zeros(0, dtype=np.int64)] * 4
+            self._interior = (ptr, *cols)
+        return self._interior
 
-        A member u of L' off its boundary ∂(L') has all its readers and savers (u itself, or readers of u)
-        in L', so its events are those it has as a member of V, without a boundary: those are computed
-        once per graph and selected by ``lp``; only the members of ∂(L') (few, and listed by the family)
-        are evaluated for L' itself. So a target costs O(|V|) array work and O(|∂(L')|) Python.
-        """
+    def _target_events(self, fam, j: int) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
+        """What pricing moves into the family's set ``j`` needs beyond the interior events: the events of
+        the members of ∂(L') (evaluated for L' itself: their readers outside L' end them), as arrays
+        (position, bytes, node, gate); ∂(L'); and the nodes whose gradient exists before the segment's
+        backward starts (∂(L') and the model's outputs in L'; their ``_IN_L`` events, all at position 0).
+
+        A member u of L' off its boundary has all its readers and savers (u itself, or readers of u) in
+        L', so its events are those it has as a member of V (:meth:`_interior_events`). Kept for later
+        calls (the budget search prices moves into the same targets solve after solve) up to
+        ``EVENTS_HELD`` events."""
         Lp = fam.sets[j]
         held = self._held_events.get(Lp)
         if held is None:
-            if self._interior is None:  # as members of V, where only the model's outputs end
-                full: list[tuple[int, int, int, int]] = []
-                for u in range(self.ix.n):
-                    self._node_events(u, self.ix.full, self.sinks, full)
-                self._interior = tuple(np.array(x, dtype=np.int64).reshape(-1) for x in zip(*full)) if full \
-                    else tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
-            bd = fam.bd_node[fam.bd_ptr[j]:fam.bd_ptr[j + 1]].tolist()
-            on_bd = np.zeros(self.ix.n, dtype=bool)
-            on_bd[bd] = True
-            node = self._interior[2]
-            keep = lp[node] & ~on_bd[node]
+            bd = fam.bd_node[fam.bd_ptr[j]:fam.bd_ptr[j + 1]]
             own: list[tuple[int, int, int, int]] = []
-            ends = sum(1 << u for u in bd) | self.sinks
-            for u in bd:
+            ends = sum(1 << u for u in bd.tolist()) | self.sinks
+            for u in bd.tolist():
                 self._node_events(u, Lp, ends, own)
-            cols = [np.concatenate([x[keep], np.array(y, dtype=np.int64)])
-                    for x, y in zip(self._interior, zip(*own) if own else ([],) * 4)]
-            order = np.lexsort(cols[::-1])
-            held = tuple(c[order] for c in cols)
-            self._held_count += len(held[0])
+            cols = [np.array(c, dtype=np.int64) for c in zip(*own)] if own else [np.zeros(0, dtype=np.int64)] * 4
+            sinks = self._sink_nodes[fam.member(np.full(len(self._sink_nodes), j), self._sink_nodes)]
+            held = (tuple(cols), bd, np.concatenate([bd, sinks]))
+            self._held_count += len(cols[0]) + len(held[2])
             if self._held_count > EVENTS_HELD:
                 self._held_events.clear()
-                self._held_count = len(held[0])
+                self._held_count = len(cols[0]) + len(held[2])
             self._held_events[Lp] = held
         return held
 
@@ -186,42 +191,57 @@ class _BoundSweep(BoundModel):
         H = 0.0 if Lp == ix.full else ix.tsum(Vp)
         return F, G, H
 
-    def _block_peaks(self, fam, rows, events, lp, alloc) -> np.ndarray:
-        """max over v ∈ V' of (live bytes + alloc[v]) for the sources ``rows`` of one target L' (whose
-        sorted events and member mask ``lp`` are given), before the ``_freed`` correction."""
-        n = self.ix.n
-        pos, w, node, gate = events
-        w = w.astype(np.float64)
+    def _block_peaks(self, fam, j: int, rows: np.ndarray, lp: np.ndarray, alloc: np.ndarray) -> np.ndarray:
+        """max over v ∈ V' of (live bytes + alloc[v]) for the sources ``rows`` of one target L' (the
+        family's set ``j``, member mask ``lp``), before the ``_freed`` correction.
+
+        Nodes that every source holds (``common``) are in L for all of them, never in V': their
+        ``_IN_SEGMENT`` events never count and their ``_IN_L`` events (all at position 0) always do, a
+        constant. Only the events of the other members of L' (the window, which holds every V') and the
+        ``_ON_BOUNDARY`` events of nodes on some source's boundary vary by source, so a block costs
+        O(rows × |window|), not O(|L'|): no array here spans the whole graph's events."""
+        n, M = self.ix.n, self.ix.M_np
+        ptr, ipos, iw, inode, igate = self._interior_events()
+        (opos, ow, onode, ogate), bd_target, ends = self._target_events(fam, j)
         common = np.unpackbits(np.bitwise_and.reduce(fam.bits[rows], axis=0), bitorder="little",
                                count=n).astype(bool)
         rep, flat = expand(fam.bd_ptr, rows)
         bn = fam.bd_node[flat]
         some_bd = np.zeros(n, dtype=bool)
         some_bd[bn] = True
-        fixed = common[node] & (gate != _ON_BOUNDARY)
-        const = np.cumsum(np.where(fixed & (gate == _IN_L), w, 0.0))  # fixed events: IN_L counts, IN_SEGMENT not
-        var = np.flatnonzero(~fixed & ((gate != _ON_BOUNDARY) | some_bd[node]))
-        v = np.flatnonzero(lp & ~common)  # every V' = L' \ L lies in L' \ common
-        vn, vg = node[var], gate[var]
-        in_L = fam.member(np.repeat(rows, len(var)), np.tile(vn, len(rows))).reshape(len(rows), len(var))
+        window = np.flatnonzero(lp & ~common)  # every V' = L' \ L lies here
+        on_own = np.zeros(n, dtype=bool)
+        on_own[bd_target] = True  # members of ∂(L'): their events are the target's own
+        nodes = np.union1d(window, np.flatnonzero(some_bd & common))
+        inner = nodes[~on_own[nodes]]
+        _, at_int = expand(ptr, inner)
+        pick = on_own[onode] & (~common[onode] | some_bd[onode])
+        pos, w, node, gate = (np.concatenate([a[at_int], b[pick]]) for a, b in
+                              ((ipos, opos), (iw, ow), (inode, onode), (igate, ogate)))
+        var = np.where(gate == _ON_BOUNDARY, some_bd[node], ~common[node])
+        order = np.flatnonzero(var)
+        order = order[np.argsort(pos[order], kind="stable")]
+        pos, w, vn, vg = pos[order], w[order].astype(np.float64), node[order], gate[order]
+        const = float(M[ends[common[ends]]].sum())  # the _IN_L events of nodes every source holds
+        in_L = fam.member(np.repeat(rows, len(vn)), np.tile(vn, len(rows))).reshape(len(rows), len(vn))
         cols = np.unique(vn)  # on_bd[source, k]: cols[k] ∈ ∂(L) of that source
         on_bd = np.zeros((len(rows), len(cols)), dtype=bool)
         hit = np.isin(bn, cols)
         on_bd[rep[hit], np.searchsorted(cols, bn[hit])] = True
         counts = np.where(vg == _IN_SEGMENT, ~in_L, np.where(vg == _IN_L, in_L, on_bd[:, np.searchsorted(cols, vn)]))
-        live = np.cumsum(counts * w[var], axis=1)  # [source, variable event]
-        last = np.searchsorted(pos[var], v, side="right") - 1  # the last variable event at a position ≤ v
-        at = live[:, np.maximum(last, 0)] if len(var) else np.zeros((len(rows), len(v)))
-        if len(var):
+        live = np.cumsum(counts * w, axis=1)  # [source, variable event]
+        last = np.searchsorted(pos, window, side="right") - 1  # the last variable event at a position ≤ v
+        at = live[:, np.maximum(last, 0)] if len(vn) else np.zeros((len(rows), len(window)))
+        if len(vn):
             at[:, last < 0] = 0.0
-        lastc = np.searchsorted(pos, v, side="right") - 1
-        at += np.where(lastc >= 0, const[np.maximum(lastc, 0)], 0.0) + alloc[v]
-        at[fam.member(np.repeat(rows, len(v)), np.tile(v, len(rows))).reshape(len(rows), len(v))] = -np.inf
+        at += const + alloc[window]
+        in_L = fam.member(np.repeat(rows, len(window)), np.tile(window, len(rows))).reshape(len(rows), len(window))
+        at[in_L] = -np.inf
         return at.max(axis=1)  # only v ∈ V' = L' \ L counts
 
     def pair_costs(self, fam, pi, pj):
-        """Vectorised :meth:`transition`: per target set, its events once, then a cumulative sum of them
-        for all of its source sets together.
+        """Vectorised :meth:`transition`: per target set, a cumulative sum of the events that vary among
+        its source sets, for all of them together.
 
         The sources of a target go in blocks of ``SOURCE_BLOCK`` consecutive family indices. Events of
         nodes that every source of a block holds count alike for all of them (a node of L is never in V',
@@ -238,10 +258,9 @@ class _BoundSweep(BoundModel):
         alloc = np.array(self.alloc, dtype=np.float64)
         for j, a, b in zip(targets.tolist(), starts.tolist(), ends.tolist()):
             lp = np.unpackbits(fam.bits[j], bitorder="little", count=n).astype(bool)
-            events = self._sorted_events(fam, j, lp)
             for c in range(a, b, SOURCE_BLOCK):  # a block: consecutive sources, alike sets
                 sel = order[c:min(b, c + SOURCE_BLOCK)]
-                F[sel] = self._block_peaks(fam, pi[sel], events, lp, alloc)
+                F[sel] = self._block_peaks(fam, j, pi[sel], lp, alloc)
         # the values of ∂(L) that V' does not read (:meth:`_freed`), and G, H as the autograd model's
         pair, u, stays, read, _ = fam.boundary_runs(pi, pj)
         P = len(pi)
