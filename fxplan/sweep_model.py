@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxplan.family import expand
 from fxplan.lowersets import GraphIndex, iter_bits
 from fxplan.memory_model import BoundModel, recompute_costs, saved_sets
 
@@ -61,12 +60,6 @@ class SweepModel:
     def bind(self, ix: GraphIndex) -> BoundModel:
         return _BoundSweep(ix)
 
-
-#: Events (4 numbers each) of targets' boundary members the sweep model keeps per bound graph (~160 MB at most).
-EVENTS_HELD = 5_000_000
-
-#: Sources of one target priced together by the sweep model's ``pair_costs``.
-SOURCE_BLOCK = 64
 
 # Which sets an event's node must belong to for the event to count in segment V' = L' \ L.
 _IN_SEGMENT, _IN_L, _ON_BOUNDARY = 0, 1, 2
@@ -91,10 +84,7 @@ class _BoundSweep(BoundModel):
                 if not (kind == "slice" or (kind == "same" and M[p] == M[v])):
                     self.alloc[v] += M[p]
         self.sinks = sum(1 << u for u in range(n) if not ix.dsucc[u])
-        self._sink_nodes = np.array([u for u in range(n) if not ix.dsucc[u]], dtype=np.int64)
-        self._held_events: dict[int, tuple[np.ndarray, ...]] = {}
-        self._held_count = 0
-        self._interior: tuple[np.ndarray, ...] | None = None  # events of every node as a member of V
+        self._arrays: dict[str, np.ndarray] | None = None  # what the compiled kernel reads (_kernel_arrays)
 
     def _node_events(self, u: int, Lp: int, ends: int, out: list) -> None:
         """Append the events of member ``u`` of L' to ``out`` (:meth:`_events`; ``ends``: ∂(L') and sinks)."""
@@ -123,48 +113,25 @@ class _BoundSweep(BoundModel):
             self._node_events(u, Lp, ends, out)
         return out
 
-    def _interior_events(self) -> tuple[np.ndarray, ...]:
-        """The events of every node as a member of V (where only the model's outputs end), grouped by
-        node: (ptr, position, bytes, node, gate), ``ptr`` the CSR offsets by node."""
-        if self._interior is None:
-            per_node: list[list[tuple[int, int, int, int]]] = []
-            for u in range(self.ix.n):
-                per_node.append([])
-                self._node_events(u, self.ix.full, self.sinks, per_node[-1])
-            ptr = np.zeros(self.ix.n + 1, dtype=np.int64)
-            ptr[1:] = np.cumsum([len(x) for x in per_node])
-            flat = [e for x in per_node for e in x]
-            cols = [np.array(c, dtype=np.int64) for c in zip(*flat)] if flat else [np.zeros(0, dtype=np.int64)] * 4
-            self._interior = (ptr, *cols)
-        return self._interior
-
-    def _target_events(self, fam, j: int) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray]:
-        """What pricing moves into the family's set ``j`` needs beyond the interior events: the events of
-        the members of ∂(L') (evaluated for L' itself: their readers outside L' end them), as arrays
-        (position, bytes, node, gate); ∂(L'); and the nodes whose gradient exists before the segment's
-        backward starts (∂(L') and the model's outputs in L'; their ``_IN_L`` events, all at position 0).
-
-        A member u of L' off its boundary has all its readers and savers (u itself, or readers of u) in
-        L', so its events are those it has as a member of V (:meth:`_interior_events`). Kept for later
-        calls (the budget search prices moves into the same targets solve after solve) up to
-        ``EVENTS_HELD`` events."""
-        Lp = fam.sets[j]
-        held = self._held_events.get(Lp)
-        if held is None:
-            bd = fam.bd_node[fam.bd_ptr[j]:fam.bd_ptr[j + 1]]
-            own: list[tuple[int, int, int, int]] = []
-            ends = sum(1 << u for u in bd.tolist()) | self.sinks
-            for u in bd.tolist():
-                self._node_events(u, Lp, ends, own)
-            cols = [np.array(c, dtype=np.int64) for c in zip(*own)] if own else [np.zeros(0, dtype=np.int64)] * 4
-            sinks = self._sink_nodes[fam.member(np.full(len(self._sink_nodes), j), self._sink_nodes)]
-            held = (tuple(cols), bd, np.concatenate([bd, sinks]))
-            self._held_count += len(cols[0]) + len(held[2])
-            if self._held_count > EVENTS_HELD:
-                self._held_events.clear()
-                self._held_count = len(cols[0]) + len(held[2])
-            self._held_events[Lp] = held
-        return held
+    def _kernel_arrays(self) -> dict[str, np.ndarray]:
+        """Per graph, what :func:`fxplan.sweep_kernel.segment_peaks` reads: every node's segment and
+        boundary events as a member of V (where only the model's outputs end; a member of L' off ∂(L') has
+        all its readers and savers in L', so these are its events in L' too), each node's savers, its
+        saved and allocated bytes."""
+        if self._arrays is None:
+            ix = self.ix
+            per_node: list[list[tuple[int, int, int, int]]] = [[] for _ in range(ix.n)]
+            for u in range(ix.n):
+                self._node_events(u, ix.full, self.sinks, per_node[u])
+            arrays = {"M": ix.M_np.astype(np.float64), "sx": np.array(self.sx, dtype=np.float64),
+                      "alloc": np.array(self.alloc, dtype=np.float64),
+                      "sinks": np.array([0 if ix.dsucc[u] else ix.M[u] for u in range(ix.n)], dtype=np.float64)}
+            for name, gate in (("seg", _IN_SEGMENT), ("ob", _ON_BOUNDARY)):
+                ptr, pos, w = _csr([[(p, w) for p, w, _, g in ev if g == gate] for ev in per_node], 2)
+                arrays.update({f"{name}_ptr": ptr, f"{name}_pos": pos, f"{name}_w": w.astype(np.float64)})
+            arrays["sv_ptr"], arrays["sv_node"] = _csr([[(w,) for w in iter_bits(s)] for s in self.savers], 1)
+            self._arrays = arrays
+        return self._arrays
 
     def _freed(self, L: int, Lp: int) -> int:
         """Cached values of L that V' does not read: taken to be read only beyond L' (whose backward is
@@ -191,76 +158,20 @@ class _BoundSweep(BoundModel):
         H = 0.0 if Lp == ix.full else ix.tsum(Vp)
         return F, G, H
 
-    def _block_peaks(self, fam, j: int, rows: np.ndarray, lp: np.ndarray, alloc: np.ndarray) -> np.ndarray:
-        """max over v ∈ V' of (live bytes + alloc[v]) for the sources ``rows`` of one target L' (the
-        family's set ``j``, member mask ``lp``), before the ``_freed`` correction.
-
-        Nodes that every source holds (``common``) are in L for all of them, never in V': their
-        ``_IN_SEGMENT`` events never count and their ``_IN_L`` events (all at position 0) always do, a
-        constant. Only the events of the other members of L' (the window, which holds every V') and the
-        ``_ON_BOUNDARY`` events of nodes on some source's boundary vary by source, so a block costs
-        O(rows × |window|), not O(|L'|): no array here spans the whole graph's events."""
-        n, M = self.ix.n, self.ix.M_np
-        ptr, ipos, iw, inode, igate = self._interior_events()
-        (opos, ow, onode, ogate), bd_target, ends = self._target_events(fam, j)
-        common = np.unpackbits(np.bitwise_and.reduce(fam.bits[rows], axis=0), bitorder="little",
-                               count=n).astype(bool)
-        rep, flat = expand(fam.bd_ptr, rows)
-        bn = fam.bd_node[flat]
-        some_bd = np.zeros(n, dtype=bool)
-        some_bd[bn] = True
-        window = np.flatnonzero(lp & ~common)  # every V' = L' \ L lies here
-        on_own = np.zeros(n, dtype=bool)
-        on_own[bd_target] = True  # members of ∂(L'): their events are the target's own
-        nodes = np.union1d(window, np.flatnonzero(some_bd & common))
-        inner = nodes[~on_own[nodes]]
-        _, at_int = expand(ptr, inner)
-        pick = on_own[onode] & (~common[onode] | some_bd[onode])
-        pos, w, node, gate = (np.concatenate([a[at_int], b[pick]]) for a, b in
-                              ((ipos, opos), (iw, ow), (inode, onode), (igate, ogate)))
-        var = np.where(gate == _ON_BOUNDARY, some_bd[node], ~common[node])
-        order = np.flatnonzero(var)
-        order = order[np.argsort(pos[order], kind="stable")]
-        pos, w, vn, vg = pos[order], w[order].astype(np.float64), node[order], gate[order]
-        const = float(M[ends[common[ends]]].sum())  # the _IN_L events of nodes every source holds
-        in_L = fam.member(np.repeat(rows, len(vn)), np.tile(vn, len(rows))).reshape(len(rows), len(vn))
-        cols = np.unique(vn)  # on_bd[source, k]: cols[k] ∈ ∂(L) of that source
-        on_bd = np.zeros((len(rows), len(cols)), dtype=bool)
-        hit = np.isin(bn, cols)
-        on_bd[rep[hit], np.searchsorted(cols, bn[hit])] = True
-        counts = np.where(vg == _IN_SEGMENT, ~in_L, np.where(vg == _IN_L, in_L, on_bd[:, np.searchsorted(cols, vn)]))
-        live = np.cumsum(counts * w, axis=1)  # [source, variable event]
-        last = np.searchsorted(pos, window, side="right") - 1  # the last variable event at a position ≤ v
-        at = live[:, np.maximum(last, 0)] if len(vn) else np.zeros((len(rows), len(window)))
-        if len(vn):
-            at[:, last < 0] = 0.0
-        at += const + alloc[window]
-        in_L = fam.member(np.repeat(rows, len(window)), np.tile(window, len(rows))).reshape(len(rows), len(window))
-        at[in_L] = -np.inf
-        return at.max(axis=1)  # only v ∈ V' = L' \ L counts
-
     def pair_costs(self, fam, pi, pj):
-        """Vectorised :meth:`transition`: per target set, a cumulative sum of the events that vary among
-        its source sets, for all of them together.
+        """Vectorised :meth:`transition`: the peaks by the compiled sweep of :mod:`fxplan.sweep_kernel`,
+        the rest with the family's boundary arrays."""
+        from fxplan.sweep_kernel import segment_peaks  # numba: imported when first needed
 
-        The sources of a target go in blocks of ``SOURCE_BLOCK`` consecutive family indices. Events of
-        nodes that every source of a block holds count alike for all of them (a node of L is never in V',
-        always in L), so they are summed once; only the other nodes' events, and the events of members
-        of some source's boundary, are summed per source. On a chain of sets the sources of a block differ
-        in a short window, so a move costs about O(|V'|) rather than O(|L'|).
-        """
-        ix = self.ix
-        n, M = ix.n, ix.M_np
-        F = np.empty(len(pi))
-        order = np.lexsort((pi, pj))  # by target, then source
-        targets, starts = np.unique(pj[order], return_index=True)
-        ends = np.r_[starts[1:], len(pi)]
-        alloc = np.array(self.alloc, dtype=np.float64)
-        for j, a, b in zip(targets.tolist(), starts.tolist(), ends.tolist()):
-            lp = np.unpackbits(fam.bits[j], bitorder="little", count=n).astype(bool)
-            for c in range(a, b, SOURCE_BLOCK):  # a block: consecutive sources, alike sets
-                sel = order[c:min(b, c + SOURCE_BLOCK)]
-                F[sel] = self._block_peaks(fam, j, pi[sel], lp, alloc)
+        ix, a = self.ix, self._kernel_arrays()
+        M = ix.M_np
+        key = ("sweep_sinks", id(self))
+        if key not in fam.cache:
+            fam.cache[key] = (self, fam.sums(a["sinks"]))
+        F = segment_peaks(pi.astype(np.int64), pj.astype(np.int64), fam.bits, fam.first_out, fam.last_in,
+                          fam.bd_ptr, fam.bd_node, a["seg_ptr"], a["seg_pos"], a["seg_w"], a["ob_ptr"],
+                          a["ob_pos"], a["ob_w"], a["sv_ptr"], a["sv_node"], a["M"], a["sx"], a["alloc"],
+                          fam.cache[key][1])
         # the values of ∂(L) that V' does not read (:meth:`_freed`), and G, H as the autograd model's
         pair, u, stays, read, _ = fam.boundary_runs(pi, pj)
         P = len(pi)
@@ -285,3 +196,11 @@ class _BoundSweep(BoundModel):
         ix = self.ix
         add = [float(self.sx[u] + (ix.M[u] if self.savers[u] or not ix.dsucc[u] else 0)) for u in range(ix.n)]
         return add, [0.0] * ix.n
+
+
+def _csr(lists: list[list[tuple[int, ...]]], width: int) -> tuple[np.ndarray, ...]:
+    """CSR offsets over the lists, then one int64 column per field of their entries (tuples of ``width``)."""
+    ptr = np.zeros(len(lists) + 1, dtype=np.int64)
+    ptr[1:] = np.cumsum([len(x) for x in lists])
+    cols = np.array([e for x in lists for e in x], dtype=np.int64).reshape(-1, width)
+    return (ptr, *cols.T)
