@@ -29,9 +29,10 @@ recomputed). Every term depends on ``L`` and ``L'`` only, so the DP is unchanged
 
 :func:`fxplan.replay.replay` follows the whole step the same way (and more: cache values freed once
 their last reader is done, the model outputs held by the training loop, parameter gradients); this
-model is what a DP can afford. The family engine evaluates it for many pairs of sets at once, one
-cumulative sum per block of source sets of a target set (:meth:`_BoundSweep.pair_costs`); the exact DP's search engine
-(lattices too large for the family engine) evaluates each move from scratch with :meth:`transition`.
+model is what a DP can afford. The family engine evaluates it for many pairs of sets at once, each in
+time linear in its segment's node range by a compiled sweep (:meth:`_BoundSweep.pair_costs`,
+:mod:`fxplan.sweep_kernel`); the exact DP's search engine (lattices too large for the family engine)
+evaluates each move from scratch with :meth:`transition`.
 """
 
 from __future__ import annotations
