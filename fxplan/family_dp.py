@@ -316,14 +316,24 @@ def _chain_costs(ctx: Context, fam: Family, chain: list[int]) -> tuple[int, floa
 
 
 def _strided_chains_peak(ctx: Context, fam: Family, sub: np.ndarray) -> float:
-    """The least peak of the plans that take every k-th set of ``sub`` (k = 1, 2, 4, ...; ∅ and V always).
+    """The least peak of a few plans over the sets ``sub`` (increasing family indices, ∅ first, V last):
+    for k = 1, 2, 4, ..., the plan that goes from each set to the first strict superset at least k places
+    further on (V at the latest).
 
     A cap for the coarsest pass of :func:`_min_peak_chain` that costs a few hundred moves: any plan's peak
     bounds the least one, and without a cap that pass prices every pair of its sets, most of them long
     segments whose peak no plan of least peak needs."""
     best, k = math.inf, 1
     while k < len(sub):
-        chain = np.unique(np.r_[sub[k::k], sub[-1]]).tolist()
+        chain, at = [], 0
+        while at < len(sub) - 1:
+            later = np.arange(min(at + k, len(sub) - 1), len(sub))
+            cur, cand = sub[at], sub[later]
+            bigger = fam.size[cand] > fam.size[cur]
+            ok = np.zeros(len(cand), dtype=bool)
+            ok[bigger] = fam.subset(np.full(int(bigger.sum()), cur), cand[bigger])
+            at = int(later[np.argmax(ok)])  # V, last, contains every set
+            chain.append(int(sub[at]))
         best = min(best, _chain_costs(ctx, fam, chain)[0])
         k *= 2
     return best
@@ -345,6 +355,9 @@ def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
     for sub in levels:
         mv = _priced_moves(ctx, fam, cap, sub, sub)
         psi, nxt = _bottleneck(fam, sub, mv)
+        if not np.isfinite(psi[sub[0]]):  # the cap is some plan's peak: that plan's moves reach V
+            raise FxplanError(f"internal error: no plan of peak at most {cap:.0f} bytes over {len(sub)} "
+                              "lower sets, though one was found; please report it")
         if len(sub) == fam.S:
             ctx.psi[id(fam)] = (cap, psi)
         chain, k = [], int(sub[0])

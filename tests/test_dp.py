@@ -241,6 +241,10 @@ def test_sparse_engine_gives_the_dense_engines_plans(cg, model, exact, factor, c
     try:
         chain, b_min = reference_solve(cg, None, strategy="memory", exact=exact, memory_model=model)
         assert dp.min_budget_bytes(cg, exact=exact, memory_model=model) == b_min
+        ctx = dp.context(cg, model)
+        fam = ctx.family(exact)
+        for sub in family_dp._levels(fam.S):  # the coarsest pass's cap is a plan's peak: never below the least
+            assert family_dp._strided_chains_peak(ctx, fam, sub) >= b_min
         mc = dp.solve(cg, None, strategy="memory", exact=exact, memory_model=model)
         ix = GraphIndex.build(cg)
         assert [ix.mask(s) for s in mc.lower_sets] == chain
