@@ -221,10 +221,15 @@ def view_source(node: fx.Node, gm: torch.nn.Module) -> fx.Node | None:
 
     In-place ops alias the value they overwrite; view ops, ``getitem``, ``Identity``/``Flatten``
     and dropout (which returns its input unchanged in eval mode or with p=0) alias their input.
+    Where :func:`fxplan.trace.trace` ran the node and saw it return new storage
+    (``meta["fxplan_fresh_output"]``), it aliases nothing: ops that only *may* alias (dropout with
+    p > 0, ``aten.batch_norm``, tagged ``maybe_aliasing_or_mutating``) are then known not to.
     """
     mutated = mutated_arg(node, gm)
     if mutated is not None:
         return mutated
+    if node.meta.get("fxplan_fresh_output"):
+        return None  # the trace saw it return new storage (dropout with p > 0, a batch norm)
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
         return _aten_view_source(node)
     first = node.args[0] if node.args else None

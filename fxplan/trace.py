@@ -107,6 +107,10 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     for node in gm.graph.nodes:
         if node.name in propagator.records:
             node.meta["fxplan_mutates"] = propagator.records[node.name].mutates
+    for graph in (gm.graph, propagator.module.graph):  # the search generates code over both
+        for node in graph.nodes:
+            if node.name in propagator.records:
+                node.meta["fxplan_fresh_output"] = propagator.records[node.name].alias_storage is None
     cg = _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
     cg.graph["captured"] = captured
     cg.graph["gradients"] = propagator.gradients()

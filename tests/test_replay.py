@@ -175,3 +175,35 @@ def test_replay_copies_exactly_the_in_place_operands_the_rewriter_copies():
     resnet = torchvision.models.resnet18(weights=None).train()
     _, inline = _copies_compared(resnet, images, lambda names: _cuts(names, 3, stride=5))
     assert inline  # each block's relu after its add, at a cut just before it
+
+
+class _ExportedNormAndDropout(torch.nn.Module):
+    """A block symbolic_trace cannot capture (Python control flow on a shape), so torch.export does, as
+    for timm's and Hugging Face's models: its ATen graph has ``aten.batch_norm`` and ``aten.dropout``,
+    tagged as ops that may return their input, which here return new tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.bn, self.drop = torch.nn.BatchNorm2d(8), torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        if x.shape[0] == 0:
+            return x
+        y = torch.nn.functional.silu(self.bn(self.conv1(x)), inplace=True)
+        return self.conv2(self.drop(y))
+
+
+def test_replay_counts_ops_that_may_alias_but_did_not():
+    torch.manual_seed(0)
+    model = _ExportedNormAndDropout().train()
+    inputs = (torch.randn(4, 3, 16, 16),)
+    cg = trace(model, inputs)
+    assert cg.graph["captured"].method != "symbolic_trace"
+    fresh = {n.target: n.meta["fxplan_fresh_output"] for n in cg.graph["gm"].graph.nodes
+             if n.target in (torch.ops.aten.batch_norm.default, torch.ops.aten.dropout.default)}
+    assert fresh == {torch.ops.aten.batch_norm.default: True, torch.ops.aten.dropout.default: True}
+    names = compute_names(cg.graph["gm"])
+    for k in (1, 2):
+        predicted, measured = replayed_and_measured(model, inputs, chunks(names, k))
+        assert abs(predicted - measured) <= 0.01 * measured, (k, predicted, measured)
