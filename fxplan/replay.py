@@ -14,18 +14,20 @@ bytes of live storages as :func:`fxplan.measure_step` does:
   graph's ``saves_output``, ``saved_inputs`` and ``saved``); views and in-place ops share their
   operand's storage, except where the rewriter gives an in-place op a private copy;
 * the training loop holds the model's outputs for the whole step (``out = model(x)``; ``loss =
-  loss_fn(out)``; ``loss.backward()``), and backward starts with a gradient for every output;
+  loss_fn(out)``; ``loss.backward()``); the loss holds what its backward needs (a cross-entropy's
+  log-softmax of the logits) until backward starts, which ends its own backward with a gradient for
+  every output;
 * backward: segments in reverse order, nodes in reverse order inside each; a recomputed segment first
   re-runs its forward to recover what it saves; processing a node allocates the gradients of its
   inputs (a view's input gradient is a view of its own) and of its parameters (kept when the model
   starts without ``.grad``, added into the existing ones otherwise), then frees its own gradient and
   the values it saved once no other node needs them.
 
-Which inputs receive gradients is recorded by the trace's propagation (:mod:`fxplan.trace`), and how
-large the loss's gradients of the outputs are is probed on fake outputs (:func:`output_gradient`).
-The peak is the largest total, resident bytes (parameters, buffers, inputs, existing gradients)
-included. What it does not see: temporaries inside one op's kernel or inside a leaf module's backward
-(convolution workspaces, a crop taken as two slices) and the loss function's own tensors.
+Which inputs receive gradients is recorded by the trace's propagation (:mod:`fxplan.trace`); what the
+loss holds, its peak and how large its gradients of the outputs are, by running it on fake outputs
+(:func:`probe_loss`). The peak is the largest total, resident bytes (parameters, buffers, inputs,
+existing gradients) included. What it does not see: temporaries inside one op's kernel or inside a
+leaf module's backward (convolution workspaces, a crop taken as two slices).
 docs/rewrite.md gives its residual error on the zoo (within 2.5%).
 """
 
@@ -43,7 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from fxplan import effects
 from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
-from fxplan.measure import default_loss, resident_bytes
+from fxplan.measure import default_loss, resident_bytes, track_memory
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class StepModel:
     node -> the inputs its backward gives a gradient; ``passes``: nodes without a backward of their
     own (their inputs get the incoming gradient itself). The last two come from the trace
     (``cg.graph["gradients"]``). ``random_inplace``: the in-place nodes that draw random numbers.
+    ``loss_held`` and ``loss_peak``: :class:`LossCost`'s ``held`` and ``peak``.
     """
 
     resident: int
@@ -71,6 +74,8 @@ class StepModel:
     grad_inputs: dict[str, frozenset[str]]
     passes: frozenset[str]
     random_inplace: frozenset[str] = frozenset()
+    loss_held: int = 0
+    loss_peak: int = 0
 
 
 def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -78,7 +83,7 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     """The :class:`StepModel` of ``cg``, traced from ``model`` with ``example_inputs`` (real or fake)."""
     gm: fx.GraphModule = cg.graph["gm"]
     grad_inputs, passes = cg.graph["gradients"]
-    output_grad = output_gradient(cg, loss_fn)
+    loss = probe_loss(cg, loss_fn)
     param_grads: dict[str, tuple[tuple[int, int], ...]] = {}
     views: dict[str, str] = {}
     inplace: dict[str, str] = {}
@@ -108,14 +113,29 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     grads_exist = any(p.grad is not None for p in model.parameters())
     call = as_call(example_inputs)
     resident = resident_bytes(model, (call.args, call.kwargs))
-    return StepModel(resident, grads_exist, param_grads, outputs, output_grad, views, inplace, grad_inputs, passes,
-                     frozenset(random_inplace))
+    return StepModel(resident, grads_exist, param_grads, outputs, loss.output_grad, views, inplace, grad_inputs,
+                     passes, frozenset(random_inplace), loss.held, loss.peak)
 
 
-def output_gradient(cg: CostGraph, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> float:
-    """Bytes of the gradient ``loss_fn`` hands the model's outputs, per byte of floating-point output
-    (0 for a sum, which hands each output an expanded scalar; 1 for cross-entropy): its backward run on
-    fake outputs of the traced shapes (``cg.graph["example_output"]``)."""
+@dataclass(frozen=True)
+class LossCost:
+    """What the loss function costs beyond the model's outputs, in one step.
+
+    ``output_grad``: bytes of the gradient it hands the outputs, per byte of floating-point output (0 for
+    a sum, which hands each output an expanded scalar; 1 for cross-entropy); ``held``: bytes it keeps
+    from its forward until its backward (a cross-entropy's log-softmax, a shifted copy of the logits:
+    the size of the logits, gigabytes for a language model's vocabulary); ``peak``: the most bytes it
+    holds at once over its forward and backward, the output gradients it ends with included.
+    """
+
+    output_grad: float
+    held: int
+    peak: int
+
+
+def probe_loss(cg: CostGraph, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> LossCost:
+    """:class:`LossCost` of ``loss_fn``: it and its backward run, and their storages counted, on fake outputs
+    of the traced shapes (``cg.graph["example_output"]``)."""
     loss_fn = loss_fn or default_loss
     example = cg.graph["example_output"]
     fakes = [t for t in tree_leaves(example) if isinstance(t, FakeTensor)]
@@ -130,9 +150,14 @@ def output_gradient(cg: CostGraph, loss_fn: Callable[[Any], torch.Tensor] | None
 
         for t in leaves:
             t.register_hook(seen)
-        loss_fn(out).backward()
+        with track_memory(*[t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]) as tracker:
+            before = tracker.current_bytes
+            loss = loss_fn(out)
+            held = tracker.current_bytes - before
+            loss.backward()
+            peak = tracker.peak_bytes - before
     total = sum(t.untyped_storage().nbytes() for t in leaves)
-    return sum(grads.values()) / total if total else 0.0
+    return LossCost(sum(grads.values()) / total if total else 0.0, held, peak)
 
 
 def _is_float(t: object) -> bool:
@@ -142,7 +167,8 @@ def _is_float(t: object) -> bool:
 @dataclass
 class Replay:
     """The replayed step: whole-step ``peak_bytes``; ``segment_peak_bytes[i]``, the peak while segment i's
-    backward (recomputation included) runs; ``forward_peak_bytes``, the peak of the forward pass."""
+    backward (recomputation included) runs; ``forward_peak_bytes``, the peak of the forward pass and of
+    the loss (its forward and backward)."""
 
     peak_bytes: int
     segment_peak_bytes: list[int]
@@ -178,6 +204,7 @@ class _Replayer:
         self.sid: dict[str, int] = {}  # node -> the storage of its value
         self.saved: dict[str, list[int]] = {}  # node -> the storages its backward keeps
         self.inputs: dict[int, list[int]] = {}  # recomputed segment -> the storages checkpoint keeps
+        self.loss = -1  # the storage of what the loss holds for its backward
         self._next = 0
 
     # ---------------------------------------------------------------------------- storages
@@ -263,11 +290,14 @@ class _Replayer:
                     self.save(v)
                 for u in frees.get(pos[v], ()):
                     self.release_node(u, ("val", u))
+        self.peak = max(self.peak, self.current + self.sm.loss_peak)
+        self.loss = self.new(self.sm.loss_held, "loss")
         return self.peak
 
     def backward(self) -> list[int]:
         cg, sm = self.cg, self.sm
         grad: dict[str, int] = {}
+        self.release(self.loss, "loss")  # the loss's backward ran (its peak was counted by forward())
         for o in sm.outputs:
             grad[o] = self.new(int(sm.output_grad * cg.nodes[o]["M"]), ("grad", o))
         seen_params: set[int] = set()

@@ -207,3 +207,19 @@ def test_replay_counts_ops_that_may_alias_but_did_not():
     for k in (1, 2):
         predicted, measured = replayed_and_measured(model, inputs, chunks(names, k))
         assert abs(predicted - measured) <= 0.01 * measured, (k, predicted, measured)
+
+
+def test_replay_counts_what_the_loss_holds():
+    """A cross-entropy over wide logits keeps their log-softmax until backward and ends its backward with
+    their gradient: as much as the logits each, more than the rest of this model's activations."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4096)).train()
+    inputs = (torch.randn(64, 16),)
+
+    def loss_fn(out):
+        return torch.nn.functional.cross_entropy(out[:, 1:], torch.zeros(out.shape[0], dtype=torch.long))
+
+    names = compute_names(trace(model, inputs).graph["gm"])
+    for k in (1, 2):
+        predicted, measured = replayed_and_measured(model, inputs, chunks(names, k), loss_fn)
+        assert abs(predicted - measured) <= 0.01 * measured, (k, predicted, measured)
