@@ -35,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for name in args.names:
-        entry = models_zoo.get(name)
+        entry = models_zoo.resolve(name)
         model = entry.build()
         with FakeTensorMode():
             inputs = entry.example_inputs(batch_size=args.batch_size)
