@@ -286,25 +286,23 @@ class _CostPropagator(torch.fx.Interpreter):
         node that creates no autograd node (it builds or takes apart a tuple) hands its inputs their
         gradients as they come.
         """
-        owner: dict = {}  # autograd node -> the first graph node whose output it made
-        for name, fns in self.grad_fns.items():
-            for fn in fns:
-                owner.setdefault(fn, name)
         grad_inputs, passes = {}, set()
         for node in self.module.graph.nodes:
             if node.name in self.grad_fns:
                 fns, first = self.grad_fns[node.name], self.grad_start[node.name]
-                preds = {u.name for u in node.all_input_nodes}
-                grad_inputs[node.name] = frozenset(_reached(fns, first, owner) & preds)
+                reached = _reached(fns, first)
+                grad_inputs[node.name] = frozenset(u.name for u in node.all_input_nodes
+                                                   if self.grad_fns.get(u.name, set()) & reached)
                 if fns and all(fn._sequence_nr() < first for fn in fns):
                     passes.add(node.name)
         return grad_inputs, frozenset(passes)
 
 
-def _reached(start_fns: set, first: int, owner: dict) -> set[str]:
-    """Graph nodes whose output autograd nodes are reached from ``start_fns`` through autograd nodes
-    created at or after sequence number ``first`` (those of the node being examined). An output that
-    is an input unchanged (a tuple built or taken apart) reaches that input directly."""
+def _reached(start_fns: set, first: int) -> set:
+    """The autograd nodes created before sequence number ``first`` (by earlier graph nodes) that are
+    reached from ``start_fns`` through autograd nodes created at or after it (those of the node being
+    examined). An input whose autograd node is among them gets a gradient: also an input that is another
+    node's output unchanged (a tuple taken apart, a dropout with p=0), which shares that node's."""
     reached, seen, stack = set(), set(), list(start_fns)
     while stack:
         fn = stack.pop()
@@ -312,8 +310,7 @@ def _reached(start_fns: set, first: int, owner: dict) -> set[str]:
             continue
         seen.add(fn)
         if fn._sequence_nr() < first:
-            if fn in owner:
-                reached.add(owner[fn])
+            reached.add(fn)
             continue
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return reached

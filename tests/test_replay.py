@@ -223,3 +223,18 @@ def test_replay_counts_what_the_loss_holds():
     for k in (1, 2):
         predicted, measured = replayed_and_measured(model, inputs, chunks(names, k), loss_fn)
         assert abs(predicted - measured) <= 0.01 * measured, (k, predicted, measured)
+
+
+def test_replay_follows_gradients_through_ops_that_return_their_input():
+    """A dropout with p=0 (as in Hugging Face's ViT) returns its input itself: the op after it must still
+    pass a gradient back to it, so that every parameter before it gets its gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Dropout(0.0), torch.nn.LayerNorm(256),
+                                torch.nn.Linear(256, 8)).train()
+    inputs = (torch.randn(4, 256),)
+    cg = trace(model, inputs)
+    names = compute_names(cg.graph["gm"])
+    assert cg.graph["gradients"][0][names[2]] == frozenset({names[1]})  # layer norm -> dropout
+    for k in (1, 2):
+        predicted, measured = replayed_and_measured(model, inputs, chunks(names, k))
+        assert abs(predicted - measured) <= 0.01 * measured, (k, predicted, measured)
