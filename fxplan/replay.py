@@ -349,20 +349,26 @@ class _Replayer:
     def recompute(self, names: list[str]) -> None:
         """Re-run a checkpointed segment's forward for its backward.
 
-        Like non-reentrant checkpoint with early stop, the forward runs up to the last node that saves
-        something; values nobody saved are freed after their last reader inside the segment.
+        Like non-reentrant checkpoint with early stop, the forward runs until the last tensor the segment
+        saved is saved again. Autograd saves an op's inputs before the op runs and its outputs after, so
+        a last saver that keeps only inputs does not run. Values nobody saved are freed after their last
+        reader inside the run; a value read after it (later in the segment, or by a later segment) lives
+        until the recomputation stops, as early stop abandons the segment's function there.
         """
         saving = [j for j, v in enumerate(names) if _saves(self.cg.nodes[v])]
         if not saving:
             return
         run = names[: saving[-1] + 1]
+        last = self.cg.nodes[run[-1]]
+        runs_last = bool(last.get("saves_output") or last.get("saved"))
         index = {v: j for j, v in enumerate(run)}
         frees: dict[int, list[str]] = {}
         for j, v in enumerate(run):
-            end = max((index[w] for w in self.succs[v] if w in index), default=j)
-            frees.setdefault(end, []).append(v)
+            readers = [index.get(w, len(run) - 1) for w in self.succs[v]]
+            frees.setdefault(max(readers, default=j), []).append(v)
         for j, v in enumerate(run):
-            self.produce(v, ("rval", v))
+            if j < len(run) - 1 or runs_last:
+                self.produce(v, ("rval", v))
             self.save(v)
             for u in frees.get(j, ()):
                 self.release_node(u, ("rval", u))

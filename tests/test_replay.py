@@ -238,3 +238,39 @@ def test_replay_follows_gradients_through_ops_that_return_their_input():
     for k in (1, 2):
         predicted, measured = replayed_and_measured(model, inputs, chunks(names, k))
         assert abs(predicted - measured) <= 0.01 * measured, (k, predicted, measured)
+
+
+def test_replay_stops_a_recomputation_where_checkpoint_stops_it():
+    """Autograd saves a convolution's input before running it, so non-reentrant checkpoint's early stop
+    ends a recomputation that ends in a convolution before the convolution runs: its output (four times
+    the size of its input here) is never made again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 32, 1), torch.nn.GELU()).train()
+    inputs = (torch.randn(4, 8, 32, 32),)
+    names = compute_names(trace(model, inputs).graph["gm"])
+    predicted, measured = replayed_and_measured(model, inputs, [names[:3], names[3:]])
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+class _TwoBranches(torch.nn.Module):
+    """ResNet's downsampling block in small: the first branch's last value is read only by the add, after
+    the second branch's BatchNorm, the last op of the segment that saves anything."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.Conv2d(8, 16, 1)
+        self.bn1, self.bn2 = torch.nn.BatchNorm2d(16), torch.nn.BatchNorm2d(16)
+
+    def forward(self, x):
+        return torch.relu(self.bn1(self.conv1(x)) + self.bn2(self.conv2(x)))
+
+
+def test_replay_keeps_what_a_stopped_recomputation_had_not_yet_read():
+    torch.manual_seed(0)
+    model = _TwoBranches().train()
+    inputs = (torch.randn(4, 8, 32, 32),)
+    names = compute_names(trace(model, inputs).graph["gm"])
+    cut = names.index("add") + 1
+    predicted, measured = replayed_and_measured(model, inputs, [names[:cut], names[cut:]])
+    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
