@@ -33,7 +33,7 @@ docs/rewrite.md gives its residual error on the zoo (within 2.5%).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +42,11 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fxplan import effects
+from fxplan import effects, subplans
 from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
 from fxplan.measure import default_loss, resident_bytes, track_memory
+from fxplan.subplans import Block
 
 
 @dataclass(frozen=True)
@@ -175,21 +176,30 @@ class Replay:
     forward_peak_bytes: int
 
 
-def replay(cg: CostGraph, sm: StepModel, segments: Sequence[Sequence[str]]) -> Replay:
-    """Replay one training step of the plan ``segments`` (module docstring) and return its peaks."""
-    return _Replayer(cg, sm, segments).run()
+def replay(cg: CostGraph, sm: StepModel, segments: Sequence[Sequence[str]],
+           children: Mapping[str, Any] | None = None) -> Replay:
+    """Replay one training step of the plan ``segments`` (module docstring) and return its peaks.
+
+    ``children`` nests plans as the rewriter does (:mod:`fxplan.subplans`): a split segment's backward
+    recomputes it as its sub-segments, keeping the inputs of all but the last, and each of those is
+    recomputed again for its own backward (:meth:`_Replayer.backward_block`).
+    """
+    return _Replayer(cg, sm, subplans.tree(segments, children)).run()
 
 
 class _Replayer:
     """One replay: live storages with their holders; a storage is freed when its last holder lets go."""
 
-    def __init__(self, cg: CostGraph, sm: StepModel, segments: Sequence[Sequence[str]]):
-        self.cg, self.sm = cg, sm
-        self.segments = [list(s) for s in segments]
-        self.k = len(segments)
-        self.seg = {v: i for i, names in enumerate(segments) for v in names}
-        self.order = [v for names in segments for v in names]
+    def __init__(self, cg: CostGraph, sm: StepModel, blocks: list[Block]):
+        self.cg, self.sm, self.blocks = cg, sm, blocks
+        self.segments = subplans.leaves(blocks)  # the innermost segments, in execution order
+        self.k = len(self.segments)
+        self.seg = {v: i for i, names in enumerate(self.segments) for v in names}
+        self.order = [v for names in self.segments for v in names]
         self.pos = {v: i for i, v in enumerate(self.order)}
+        # per leaf: the position of the last node of its ancestor at each depth (the leaf itself last)
+        self.ends: list[list[int]] = []
+        self._walk(blocks, [])
         data = [(u, w) for u, w, only in cg.edges(data="order_only") if not only]
         self.preds: dict[str, list[str]] = {v: [] for v in self.order}
         self.succs: dict[str, list[str]] = {v: [] for v in self.order}
@@ -203,9 +213,43 @@ class _Replayer:
         self.current = self.peak = sm.resident
         self.sid: dict[str, int] = {}  # node -> the storage of its value
         self.saved: dict[str, list[int]] = {}  # node -> the storages its backward keeps
-        self.inputs: dict[int, list[int]] = {}  # recomputed segment -> the storages checkpoint keeps
+        self.inputs: dict[int, list[int]] = {}  # id of a checkpointed block -> the storages checkpoint keeps
         self.loss = -1  # the storage of what the loss holds for its backward
+        self.grad: dict[str, int] = {}  # node -> the storage of its gradient, while backward needs it
+        self.seen_params: set[int] = set()
         self._next = 0
+
+    def _walk(self, blocks: list[Block], ends: list[int]) -> None:
+        for b in blocks:
+            last = b
+            while last.sub is not None:
+                last = last.sub[-1]
+            end = self.pos[last.names[-1]]
+            if b.sub is None:
+                self.ends.append([*ends, end])
+            else:
+                self._walk(b.sub, [*ends, end])
+
+    def _frees(self, run: Sequence[str]) -> dict[int, list[str]]:
+        """Position -> the values of ``run`` to free after the node there: FX frees a value after its last
+        reader in the function that made it, and a call of a block holds its arguments until it returns,
+        so a reader in another block counts as the end of the outermost block that holds it. A reader
+        beyond ``run`` (a recomputation stopped early) holds the value to the end of the run."""
+        within, stop = set(run), self.pos[run[-1]] if run else 0
+        frees: dict[int, list[str]] = {}
+        for v in run:
+            ends = [min(self._end(v, w), stop) if w in within else stop for w in self.succs[v]]
+            frees.setdefault(max(ends, default=self.pos[v]), []).append(v)
+        return frees
+
+    def _end(self, v: str, w: str) -> int:
+        a, b = self.ends[self.seg[v]], self.ends[self.seg[w]]
+        if a is b:
+            return self.pos[w]
+        d = 0
+        while d < len(a) - 1 and d < len(b) - 1 and a[d] == b[d]:
+            d += 1  # blocks end at distinct positions: equal ends are the same ancestor
+        return b[d]
 
     # ---------------------------------------------------------------------------- storages
     def new(self, nbytes: int, holder) -> int:
@@ -270,108 +314,133 @@ class _Replayer:
         return Replay(max(forward_peak, *seg_peaks), seg_peaks, forward_peak)
 
     def forward(self) -> int:
-        segments, seg, pos = self.segments, self.seg, self.pos
-        frees: dict[int, list[str]] = {}
-        for v in self.order:
-            # FX frees a value after its last reader; a later segment's call holds it until it returns
-            ends = [pos[w] if seg[w] == seg[v] else pos[segments[seg[w]][-1]] for w in self.succs[v]]
-            frees.setdefault(max(ends, default=pos[v]), []).append(v)
-        outputs = set(self.sm.outputs)
-        for i, names in enumerate(segments):
-            if i < self.k - 1:  # checkpoint keeps the segment's inputs until its backward is over
-                self.inputs[i] = sorted({self.sid[u] for v in names for u in self.preds[v] if seg[u] != i})
-                for s in self.inputs[i]:
-                    self.hold(s, ("ckpt", i))
-            for v in names:
-                self.produce(v, ("val", v))
-                if v in outputs:
-                    self.hold(self.sid[v], "out")
-                if i == self.k - 1:
-                    self.save(v)
-                for u in frees.get(pos[v], ()):
-                    self.release_node(u, ("val", u))
+        self.forward_blocks(self.blocks, self._frees(self.order), ("val",), None)
         self.peak = max(self.peak, self.current + self.sm.loss_peak)
         self.loss = self.new(self.sm.loss_held, "loss")
         return self.peak
 
+    def forward_blocks(self, blocks: list[Block], frees: dict[int, list[str]], tag: tuple,
+                       run: set[str] | None, unrun: str | None = None) -> None:
+        """Run ``blocks`` forward as the rewriter does: each but the last under checkpoint (its inputs kept,
+        nothing saved), the last split again in the same way or, a leaf, saving what autograd saves.
+        ``run``: the nodes to run (a recomputation stops early), None for all, and ``unrun`` the last of them
+        if it only saves its inputs, without running (:meth:`recompute`); ``tag``: the values' holder."""
+        outputs = set(self.sm.outputs) if tag == ("val",) else set()
+        for i, b in enumerate(blocks):
+            if i < len(blocks) - 1:
+                names = [v for leaf in subplans.leaves([b]) for v in leaf]
+                if run is not None and names[0] not in run:
+                    return
+                inside = set(names)
+                self.inputs[id(b)] = sorted({self.sid[u] for v in names for u in self.preds[v] if u not in inside})
+                for sid in self.inputs[id(b)]:
+                    self.hold(sid, ("ckpt", id(b)))
+                self._run(names, frees, tag, run, None, saving=False, outputs=outputs)
+            elif b.sub is not None:
+                self.forward_blocks(b.sub, frees, tag, run, unrun)
+            else:
+                self._run(b.names, frees, tag, run, unrun, saving=True, outputs=outputs)
+
+    def _run(self, names: list[str], frees: dict[int, list[str]], tag: tuple, run: set[str] | None,
+             unrun: str | None, saving: bool, outputs: set[str]) -> None:
+        for v in names:
+            if run is not None and v not in run:
+                return
+            if v != unrun:
+                self.produce(v, (*tag, v))
+            if v in outputs:
+                self.hold(self.sid[v], "out")
+            if saving:
+                self.save(v)
+            for u in frees.get(self.pos[v], ()):
+                self.release_node(u, (*tag, u))
+
     def backward(self) -> list[int]:
         cg, sm = self.cg, self.sm
-        grad: dict[str, int] = {}
         self.release(self.loss, "loss")  # the loss's backward ran (its peak was counted by forward())
         for o in sm.outputs:
-            grad[o] = self.new(int(sm.output_grad * cg.nodes[o]["M"]), ("grad", o))
-        seen_params: set[int] = set()
-        seg_peaks = [0] * self.k
-        for i in range(self.k - 1, -1, -1):
+            self.grad[o] = self.new(int(sm.output_grad * cg.nodes[o]["M"]), ("grad", o))
+        seg_peaks = [0] * len(self.blocks)
+        for i in range(len(self.blocks) - 1, -1, -1):
             self.peak = self.current
-            names = self.segments[i]
-            if i < self.k - 1:
-                self.recompute(names)
-            for v in reversed(names):
-                if v not in grad:  # nothing downstream needs a gradient through v
-                    self.unsave(v)
-                    continue
-                extra, replaced = 0, []
-                passes = PASS_THROUGH.get(cg.nodes[v].get("kind"))
-                for u in self.preds[v]:
-                    if u not in sm.grad_inputs.get(v, ()):
-                        continue  # v's backward gives u no gradient (a shape, an index, a detached value)
-                    size = int(cg.nodes[u]["M"])
-                    shared = (v in sm.views or v in sm.passes or passes == "slice"
-                              or (passes == "same" and size == cg.nodes[v]["M"]))
-                    if shared and u not in grad:
-                        grad[u] = grad[v]
-                        self.hold(grad[u], ("grad", u))
-                    elif u in grad:
-                        # a contribution, summed with the existing gradient into a new tensor (the meter
-                        # sees autograd sum out of place; on a real CPU step it may add in place instead)
-                        extra += size
-                        replaced.append((grad[u], u))
-                        grad[u] = self.new(size, ("grad", u))
-                    else:
-                        grad[u] = self.new(size, ("grad", u))
-                for key, nbytes in sm.param_grads.get(v, ()):
-                    if sm.grads_exist or key in seen_params:
-                        extra += nbytes
-                    else:
-                        seen_params.add(key)
-                        self.new(nbytes, ("param", key))
-                self.peak = max(self.peak, self.current + extra)
-                for old, u in replaced:
-                    self.release(old, ("grad", u))
-                self.release(grad.pop(v), ("grad", v))
-                self.unsave(v)
-            for s in self.inputs.get(i, ()):
-                self.release(s, ("ckpt", i))
+            self.backward_block(self.blocks, i)
             seg_peaks[i] = self.peak
         return seg_peaks
 
-    def recompute(self, names: list[str]) -> None:
-        """Re-run a checkpointed segment's forward for its backward.
+    def backward_block(self, level: list[Block], i: int) -> None:
+        """The backward of block ``level[i]``: recomputed first if checkpointed (every block of a level but
+        the last), then its sub-blocks' backward in reverse, or its nodes' if it is a leaf."""
+        b = level[i]
+        if i < len(level) - 1:
+            self.recompute(b)
+        if b.sub is None:
+            self.backward_nodes(b.names)
+        else:
+            for j in range(len(b.sub) - 1, -1, -1):
+                self.backward_block(b.sub, j)
+        for sid in self.inputs.pop(id(b), ()):
+            self.release(sid, ("ckpt", id(b)))
 
-        Like non-reentrant checkpoint with early stop, the forward runs until the last tensor the segment
-        saved is saved again. Autograd saves an op's inputs before the op runs and its outputs after, so
-        a last saver that keeps only inputs does not run. Values nobody saved are freed after their last
-        reader inside the run; a value read after it (later in the segment, or by a later segment) lives
-        until the recomputation stops, as early stop abandons the segment's function there.
+    def backward_nodes(self, names: list[str]) -> None:
+        cg, sm, grad = self.cg, self.sm, self.grad
+        for v in reversed(names):
+            if v not in grad:  # nothing downstream needs a gradient through v
+                self.unsave(v)
+                continue
+            extra, replaced = 0, []
+            passes = PASS_THROUGH.get(cg.nodes[v].get("kind"))
+            for u in self.preds[v]:
+                if u not in sm.grad_inputs.get(v, ()):
+                    continue  # v's backward gives u no gradient (a shape, an index, a detached value)
+                size = int(cg.nodes[u]["M"])
+                shared = (v in sm.views or v in sm.passes or passes == "slice"
+                          or (passes == "same" and size == cg.nodes[v]["M"]))
+                if shared and u not in grad:
+                    grad[u] = grad[v]
+                    self.hold(grad[u], ("grad", u))
+                elif u in grad:
+                    # a contribution, summed with the existing gradient into a new tensor (the meter
+                    # sees autograd sum out of place; on a real CPU step it may add in place instead)
+                    extra += size
+                    replaced.append((grad[u], u))
+                    grad[u] = self.new(size, ("grad", u))
+                else:
+                    grad[u] = self.new(size, ("grad", u))
+            for key, nbytes in sm.param_grads.get(v, ()):
+                if sm.grads_exist or key in self.seen_params:
+                    extra += nbytes
+                else:
+                    self.seen_params.add(key)
+                    self.new(nbytes, ("param", key))
+            self.peak = max(self.peak, self.current + extra)
+            for old, u in replaced:
+                self.release(old, ("grad", u))
+            self.release(grad.pop(v), ("grad", v))
+            self.unsave(v)
+
+    def recompute(self, b: Block) -> None:
+        """Re-run a checkpointed block's forward for its backward.
+
+        Like non-reentrant checkpoint with early stop, the forward runs until the last tensor the block
+        saved is saved again (for a split block, only its last leaf saves; its other sub-blocks keep their
+        inputs). Autograd saves an op's inputs before the op runs and its outputs after, so a last saver
+        that keeps only inputs does not run. Values nobody saved are freed after their last reader inside
+        the run; a value read after it lives until the recomputation stops, as early stop abandons the
+        block's function there.
         """
-        saving = [j for j, v in enumerate(names) if _saves(self.cg.nodes[v])]
-        if not saving:
+        names = [v for leaf in subplans.leaves([b]) for v in leaf]
+        last = b
+        while last.sub is not None:
+            last = last.sub[-1]
+        saving = [v for v in last.names if _saves(self.cg.nodes[v])]
+        if not saving and b.sub is None:
             return
-        run = names[: saving[-1] + 1]
-        last = self.cg.nodes[run[-1]]
-        runs_last = bool(last.get("saves_output") or last.get("saved"))
-        index = {v: j for j, v in enumerate(run)}
-        frees: dict[int, list[str]] = {}
-        for j, v in enumerate(run):
-            readers = [index.get(w, len(run) - 1) for w in self.succs[v]]
-            frees.setdefault(max(readers, default=j), []).append(v)
-        for j, v in enumerate(run):
-            if j < len(run) - 1 or runs_last:
-                self.produce(v, ("rval", v))
-            self.save(v)
-            for u in frees.get(j, ()):
-                self.release_node(u, ("rval", u))
+        stop = self.pos[saving[-1]] if saving else self.pos[last.names[0]] - 1
+        run = [v for v in names if self.pos[v] <= stop]
+        unrun = None
+        if saving and not (self.cg.nodes[run[-1]].get("saves_output") or self.cg.nodes[run[-1]].get("saved")):
+            unrun = run[-1]
+        self.forward_blocks([b] if b.sub is None else b.sub, self._frees(run), ("rval",), set(run), unrun)
 
 
 #: Ops whose backward hands the incoming gradient (or slices of it) to an input of the same size or

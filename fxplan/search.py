@@ -28,13 +28,14 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
 
 4. **Below the canonical plans.** When no candidate fits B, and for the smallest peak (no budget, or
    ``strategy="memory"``), the nested search of :mod:`fxplan.nested` starts from the candidate of least
-   measured peak, and from each other solver's smallest candidate (and, while a start lowers nothing, from
-   the next plan of its solver by measured peak: :meth:`Search._seeds`), and looks
+   measured peak, from each other solver's smallest candidate and from their solvers' next plans by
+   measured peak (:meth:`Search._seeds`, within a budget of measurements for all of them), and looks
    for a nested plan (sub-segments checkpointed inside segments) that measures lower; the lowest found
    is taken (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan
    returned is the least recomputation among the nested plans measured that fit
    (:meth:`fxplan.nested.NestedSearch.cheapest`). It measures at most :func:`fxplan.nested.measurement_budget`
-   candidates per starting plan (48, fewer above 500 nodes, none above 24,000). Where nesting gains nothing,
+   candidates per starting plan (48, fewer above 500 nodes, none above 24,000), twice that in all, and
+   only moves whose replayed peak could win. Where nesting gains nothing,
    results are the canonical search's; where it does, a budget below the canonical plans is met
    instead of refused.
 
@@ -57,7 +58,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxplan import chen, dp
+from fxplan import chen, dp, subplans
 from fxplan.capture import as_call
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
@@ -69,6 +70,7 @@ from fxplan.nested import NestedResult, NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
 from fxplan.plans import Plan
 from fxplan.replay import Replay, StepModel, replay, step_model
+from fxplan.subplans import Block
 from fxplan.sweep_model import SweepModel
 
 logger = logging.getLogger("fxplan")
@@ -100,9 +102,9 @@ FRONTIER_SETS = 1000
 #: The same for the exact DP on lattices too large for its family engine, where a solve takes seconds.
 LARGE_STEP, LARGE_FRONTIER = 0.05, 12
 
-#: The nested search starts from at most this many plans per solver, in turn while none lowers anything
-#: (:meth:`Search._seeds`); a start that lowers nothing costs one round of moves at most
-#: (``fxplan.nested.MOVES_PER_ROUND`` measurements).
+#: The nested search starts from at most this many plans per solver (:meth:`Search._seeds`), all of them
+#: within ``fxplan.nested.SEEDS_MEASUREMENTS`` times one search's measurements; a start that lowers nothing
+#: costs one round of moves at most (``fxplan.nested.MOVES_PER_ROUND`` measurements, fewer once replayed).
 SEEDS_PER_SOLVER = 8
 
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
@@ -172,6 +174,9 @@ class Search:
 
     def _replay(self, p: Plan) -> Replay:
         return replay(self.cg, self.step, p.segments)
+
+    def _replay_tree(self, blocks: list[Block]) -> int:
+        return replay(self.cg, self.step, [b.names for b in blocks], subplans.as_children(blocks)).peak_bytes
 
     def _walk(self) -> Iterator[Candidate]:
         """Every candidate in the order of :func:`_candidate_plans`, generating plans as they are asked for."""
@@ -261,17 +266,18 @@ class Search:
         :meth:`smallest`, or the lowest nested plan :mod:`fxplan.nested` finds from :meth:`_seeds`."""
         if self._lowest is None:
             self._lowest = self.smallest()
-            self._nested = nested = NestedSearch(self.cg, self.inputs, self.loss_fn)
+            self._nested = nested = NestedSearch(self.cg, self.inputs, self.loss_fn, replayed=self._replay_tree)
             lowest = None
             for group in self._seeds() if nested.max_measurements > 0 else []:
                 for seed in group:
+                    if nested.total_left <= 0:
+                        break
                     found = nested.improve(seed.plan, seed.measured, seed.segment_replayed)
                     if found is None:
                         continue
                     if found.measured < self._lowest.measured:
                         self._lowest = _nested_candidate(self.cg, found, seed.plan)
                         lowest = found, seed.plan
-                    break
             if lowest is not None:  # plans of that peak that recompute less join nested.measured
                 nested.cheapen(*lowest)
         return self._lowest
@@ -287,11 +293,11 @@ class Search:
         """Where the nested search starts, one list per solver: the smallest candidate, then the smallest of
         each other solver's candidates (so a DP solver's search starts where ``solver="chen"``'s does, and
         ends at most as high); after each, its solver's other measured plans by measured peak (at most
-        ``SEEDS_PER_SOLVER`` in all), tried in turn while none lowers anything. The search is local, and
-        where it ends depends on where it starts: on ResNet-50 at batch 96 it lowers nothing from the
-        approximate DP's smallest plan (2.39 GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB
-        (docs/rewrite.md); at batch 8 four of Chen's plans measure the same peak and only the last of
-        them (the √n plan) leads lower."""
+        ``SEEDS_PER_SOLVER`` in all), each searched while the nested search's total budget lasts
+        (:meth:`lowest` keeps the lowest). The search is local, and where it ends depends on where it
+        starts: on ResNet-50 at batch 96 it lowers nothing from the approximate DP's smallest plan (2.39
+        GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB (docs/rewrite.md); at batch 8 four of Chen's plans
+        measure the same peak and lead to different ends."""
         best = self.smallest()
         by_solver: dict[str, list[Candidate]] = {}
         for c in [*self._walk(), *self.floor()]:

@@ -135,6 +135,7 @@ def _copies_compared(model, inputs, plans) -> tuple[int, int]:
     in-place op run between segments)."""
     from fxplan.codegen import copy_for_inplace
     from fxplan.replay import _Replayer
+    from fxplan.subplans import tree
 
     cg = trace(model, inputs)
     sm = step_model(cg, model, inputs)
@@ -147,7 +148,7 @@ def _copies_compared(model, inputs, plans) -> tuple[int, int]:
         graphs = [module.graph] + [seg.graph for seg in module.segment_modules()]
         copied = {u.name for g in graphs for c in g.nodes
                   if c.target is copy_for_inplace or (c.op == "call_method" and c.target == "clone") for u in c.users}
-        assert _Replayer(cg, sm, segments).copies == copied, segments
+        assert _Replayer(cg, sm, tree(segments, None)).copies == copied, segments
         with_copy += bool(copied)
         with_inline += any(seg[0] in sm.inplace and seg[0] not in copied for seg in segments[1:-1])
     return with_copy, with_inline
@@ -274,3 +275,26 @@ def test_replay_keeps_what_a_stopped_recomputation_had_not_yet_read():
     cut = names.index("add") + 1
     predicted, measured = replayed_and_measured(model, inputs, [names[:cut], names[cut:]])
     assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+
+
+def test_replay_of_nested_plans_follows_the_meter():
+    """Segments split again (the nested plans of fxplan.nested): each recomputed as its sub-segments, the
+    inputs of all but the last kept, each of those recomputed again for its own backward."""
+    from fxplan.subplans import Block, as_children
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).train()
+    with FakeTensorMode():
+        inputs = (torch.randn(16, 3, 64, 64),)
+    cg = trace(model, inputs)
+    sm = step_model(cg, model, inputs)
+    flat = chunks(compute_names(cg.graph["gm"]), 4)
+    split = [Block(s, [Block(c) for c in chunks(s, 3)]) for s in flat]
+    merged = [Block(flat[0] + flat[1], [Block(flat[0]), Block(flat[1])]), *map(Block, flat[2:])]
+    deep = [Block(flat[0], [Block(c, [Block(d) for d in chunks(c, 2)]) for c in chunks(flat[0], 2)]),
+            *map(Block, flat[1:])]
+    for blocks in (split, merged, deep):
+        segments, children = [b.names for b in blocks], as_children(blocks)
+        predicted = replay(cg, sm, segments, children).peak_bytes
+        measured = measure_step(segment_module(cg.graph["gm"], segments, children), inputs, fake=True).peak_bytes
+        assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
