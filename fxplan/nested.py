@@ -91,11 +91,11 @@ TOLERANCE = 0.03
 #: PATIENCE when moves are measured lowest replayed peak first: the moves that lower the peak come first.
 REPLAYED_PATIENCE = 2
 
-#: The searches from all starting plans together measure at most this many times one search's budget.
+#: The searches from one solver's starting plans together measure at most this many times one search's budget.
 #: Where a local search ends depends on where it starts (ResNet-50 at batch 8: 363.1 MB from one of
 #: Chen's plans, 395.4 MB from another that measures the same), so every starting plan is searched, not
 #: only the first that lowers anything, within this budget.
-SEEDS_MEASUREMENTS = 2
+SEEDS_MEASUREMENTS = 1
 
 #: Sub-plans taken from a segment's DP frontier (besides its memory-centric plan), longest merged run, and
 #: most two-segment cuts tried per segment.
@@ -250,11 +250,16 @@ class NestedSearch:
         self.max_measurements = (measurement_budget(cg.number_of_nodes()) if max_measurements is None
                                  else max_measurements)
         self.measurements_left = self.max_measurements
-        #: measurements left to all starting plans together (:meth:`improve` calls): SEEDS_MEASUREMENTS of one
-        self.total_left = SEEDS_MEASUREMENTS * self.max_measurements
+        self.total_left = 0
+        self.start_group()
         #: every nested plan measured, whatever its peak: the plans :meth:`cheapest` chooses from
         self.measured: list[Measured] = []
         self._seed: Plan | None = None  # the starting plan of the current improve()
+
+    def start_group(self) -> None:
+        """Give the next :meth:`improve` calls together SEEDS_MEASUREMENTS times one call's measurements (the
+        budget search starts a group per solver)."""
+        self.total_left = SEEDS_MEASUREMENTS * self.max_measurements
 
     def measure(self, blocks: list[Block]) -> tuple[int, SegmentedModule] | None:
         self.measurements_left -= 1

@@ -29,12 +29,12 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
 4. **Below the canonical plans.** When no candidate fits B, and for the smallest peak (no budget, or
    ``strategy="memory"``), the nested search of :mod:`fxplan.nested` starts from the candidate of least
    measured peak, from each other solver's smallest candidate and from their solvers' next plans by
-   measured peak (:meth:`Search._seeds`, within a budget of measurements for all of them), and looks
+   measured peak (:meth:`Search._seeds`, within a budget of measurements per solver), and looks
    for a nested plan (sub-segments checkpointed inside segments) that measures lower; the lowest found
    is taken (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan
    returned is the least recomputation among the nested plans measured that fit
    (:meth:`fxplan.nested.NestedSearch.cheapest`). It measures at most :func:`fxplan.nested.measurement_budget`
-   candidates per starting plan (48, fewer above 500 nodes, none above 24,000), twice that in all, and
+   candidates per starting plan (48, fewer above 500 nodes, none above 24,000), twice that per solver, and
    only moves whose replayed peak could win. Where nesting gains nothing,
    results are the canonical search's; where it does, a budget below the canonical plans is met
    instead of refused.
@@ -102,7 +102,7 @@ FRONTIER_SETS = 1000
 #: The same for the exact DP on lattices too large for its family engine, where a solve takes seconds.
 LARGE_STEP, LARGE_FRONTIER = 0.05, 12
 
-#: The nested search starts from at most this many plans per solver (:meth:`Search._seeds`), all of them
+#: The nested search starts from at most this many plans per solver (:meth:`Search._seeds`), all of a solver's
 #: within ``fxplan.nested.SEEDS_MEASUREMENTS`` times one search's measurements; a start that lowers nothing
 #: costs one round of moves at most (``fxplan.nested.MOVES_PER_ROUND`` measurements, fewer once replayed).
 SEEDS_PER_SOLVER = 8
@@ -269,6 +269,7 @@ class Search:
             self._nested = nested = NestedSearch(self.cg, self.inputs, self.loss_fn, replayed=self._replay_tree)
             lowest = None
             for group in self._seeds() if nested.max_measurements > 0 else []:
+                nested.start_group()  # a budget per solver: see _seeds
                 for seed in group:
                     if nested.total_left <= 0:
                         break
@@ -293,8 +294,9 @@ class Search:
         """Where the nested search starts, one list per solver: the smallest candidate, then the smallest of
         each other solver's candidates (so a DP solver's search starts where ``solver="chen"``'s does, and
         ends at most as high); after each, its solver's other measured plans by measured peak (at most
-        ``SEEDS_PER_SOLVER`` in all), each searched while the nested search's total budget lasts
-        (:meth:`lowest` keeps the lowest). The search is local, and where it ends depends on where it
+        ``SEEDS_PER_SOLVER`` in all), each searched while the solver's budget of measurements lasts
+        (:meth:`lowest` keeps the lowest; the budget is per solver, so that the search from Chen's plans
+        is the one ``solver="chen"`` makes). The search is local, and where it ends depends on where it
         starts: on ResNet-50 at batch 96 it lowers nothing from the approximate DP's smallest plan (2.39
         GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB (docs/rewrite.md); at batch 8 four of Chen's plans
         measure the same peak and lead to different ends."""
