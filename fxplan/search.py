@@ -34,8 +34,8 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    is taken (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan
    returned is the least recomputation among the nested plans measured that fit
    (:meth:`fxplan.nested.NestedSearch.cheapest`). It measures at most :func:`fxplan.nested.measurement_budget`
-   candidates per starting plan (48, fewer above 500 nodes, none above 24,000), twice that per solver, and
-   only moves whose replayed peak could win. Where nesting gains nothing,
+   candidates per starting plan (48, fewer above 500 nodes, none above 24,000) and as many for all of a
+   solver's starting plans together, and only moves whose replayed peak could win. Where nesting gains nothing,
    results are the canonical search's; where it does, a budget below the canonical plans is met
    instead of refused.
 
