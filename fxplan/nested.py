@@ -250,7 +250,6 @@ class NestedSearch:
         self.max_measurements = (measurement_budget(cg.number_of_nodes()) if max_measurements is None
                                  else max_measurements)
         self.measurements_left = self.max_measurements
-        self.total_left = 0
         self.start_group()
         #: every nested plan measured, whatever its peak: the plans :meth:`cheapest` chooses from
         self.measured: list[Measured] = []
@@ -355,9 +354,9 @@ class NestedSearch:
         best, module = base_measured, None
         for _ in range(ROUNDS):
             round_best, idle = None, 0
+            patience = PATIENCE if self.replayed is None else REPLAYED_PATIENCE
             for predicted, cand in self._promising(itertools.islice(self._moves(best_blocks, rank), MOVES_PER_ROUND)):
                 target = best * (1 - MIN_GAIN) if round_best is None else round_best[0]
-                patience = PATIENCE if self.replayed is None else REPLAYED_PATIENCE
                 if idle == patience or min(self.measurements_left, self.total_left) <= 0 \
                         or predicted > target * (1 + TOLERANCE):
                     break

@@ -184,7 +184,12 @@ def replay(cg: CostGraph, sm: StepModel, segments: Sequence[Sequence[str]],
     recomputes it as its sub-segments, keeping the inputs of all but the last, and each of those is
     recomputed again for its own backward (:meth:`_Replayer.backward_block`).
     """
-    return _Replayer(cg, sm, subplans.tree(segments, children)).run()
+    return replay_blocks(cg, sm, subplans.tree(segments, children))
+
+
+def replay_blocks(cg: CostGraph, sm: StepModel, blocks: list[Block]) -> Replay:
+    """:func:`replay` of a plan given as its tree of blocks (:mod:`fxplan.subplans`)."""
+    return _Replayer(cg, sm, blocks).run()
 
 
 class _Replayer:
@@ -221,10 +226,7 @@ class _Replayer:
 
     def _walk(self, blocks: list[Block], ends: list[int]) -> None:
         for b in blocks:
-            last = b
-            while last.sub is not None:
-                last = last.sub[-1]
-            end = self.pos[last.names[-1]]
+            end = self.pos[subplans.leaf_blocks([b])[-1].names[-1]]
             if b.sub is None:
                 self.ends.append([*ends, end])
             else:
@@ -429,9 +431,7 @@ class _Replayer:
         block's function there.
         """
         names = [v for leaf in subplans.leaves([b]) for v in leaf]
-        last = b
-        while last.sub is not None:
-            last = last.sub[-1]
+        last = subplans.leaf_blocks([b])[-1]
         saving = [v for v in last.names if _saves(self.cg.nodes[v])]
         if not saving and b.sub is None:
             return

@@ -58,7 +58,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxplan import chen, dp, subplans
+from fxplan import chen, dp
 from fxplan.capture import as_call
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
@@ -69,7 +69,7 @@ from fxplan.measure import GiB, measure_fake
 from fxplan.nested import NestedResult, NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
 from fxplan.plans import Plan
-from fxplan.replay import Replay, StepModel, replay, step_model
+from fxplan.replay import Replay, StepModel, replay, replay_blocks, step_model
 from fxplan.subplans import Block
 from fxplan.sweep_model import SweepModel
 
@@ -176,7 +176,7 @@ class Search:
         return replay(self.cg, self.step, p.segments)
 
     def _replay_tree(self, blocks: list[Block]) -> int:
-        return replay(self.cg, self.step, [b.names for b in blocks], subplans.as_children(blocks)).peak_bytes
+        return replay_blocks(self.cg, self.step, blocks).peak_bytes
 
     def _walk(self) -> Iterator[Candidate]:
         """Every candidate in the order of :func:`_candidate_plans`, generating plans as they are asked for."""
