@@ -41,15 +41,11 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
-
-import torch
 
 from fxplan import dp, subplans
-from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.measure import measure_step
+from fxplan.meter import PlanMeter
 from fxplan.plans import Plan
 from fxplan.subplans import Block
 from fxplan.sweep_model import SweepModel
@@ -102,18 +98,6 @@ SEEDS_MEASUREMENTS = 1
 SUB_PLANS, MERGE_RUN, CUTS = 6, 3, 8
 
 
-def measure_plan(cg: CostGraph, segments: list[list[str]], children: dict, inputs: Any,
-                 loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[int, SegmentedModule] | None:
-    """The measured peak (one fake-tensor step) of the module the rewriter generates for a plan, and the
-    module; None if the rewriter rejects the plan."""
-    try:
-        module = segment_module(cg.graph["gm"], segments, children)
-    except FxplanError as exc:
-        logger.debug("plan of %d segments rejected by the rewriter: %s", len(segments), exc)
-        return None
-    return measure_step(module, inputs, fake=True, loss_fn=loss_fn).peak_bytes, module
-
-
 def measurement_budget(nodes: int) -> int:
     """How many candidates the nested search measures on a graph of ``nodes`` nodes (0: none)."""
     return min(MEASUREMENTS, MEASUREMENT_WORK // max(nodes, 1))
@@ -121,11 +105,11 @@ def measurement_budget(nodes: int) -> int:
 
 @dataclass
 class NestedResult:
-    """The best nested plan found: its blocks, measured peak, generated module and recompute fraction."""
+    """The best nested plan found: its blocks, measured peak, generated code and recompute fraction."""
 
     blocks: list[Block]
     measured: int
-    module: SegmentedModule
+    code: str | None
     recompute_fraction: float
 
     def plan(self, cg: CostGraph, base: Plan) -> Plan:
@@ -236,14 +220,15 @@ class Measured:
     measured: int
     recompute_fraction: float
     seed: Plan | None
+    code: str
 
 
 class NestedSearch:
     """Local search over nested plans from a canonical plan (module docstring)."""
 
-    def __init__(self, cg: CostGraph, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                 max_measurements: int | None = None, replayed: Callable[[list[Block]], int] | None = None):
-        self.cg, self.inputs, self.loss_fn = cg, inputs, loss_fn
+    def __init__(self, cg: CostGraph, meter: PlanMeter, max_measurements: int | None = None,
+                 replayed: Callable[[list[Block]], int] | None = None):
+        self.cg, self.meter = cg, meter
         #: the predicted peak of a tree (:func:`fxplan.replay.replay`); None: every tree is measured
         self.replayed = replayed
         self._sub_plans: dict[tuple[str, ...], list[list[list[str]]]] = {}
@@ -260,13 +245,13 @@ class NestedSearch:
         budget search starts a group per solver)."""
         self.total_left = SEEDS_MEASUREMENTS * self.max_measurements
 
-    def measure(self, blocks: list[Block]) -> tuple[int, SegmentedModule] | None:
+    def measure(self, blocks: list[Block]) -> tuple[int, str] | None:
+        """The measured peak and generated code of a tree (None if the rewriter rejects it)."""
         self.measurements_left -= 1
         self.total_left -= 1
-        got = measure_plan(self.cg, [b.names for b in blocks], subplans.as_children(blocks), self.inputs,
-                           self.loss_fn)
+        got = self.meter.measure([b.names for b in blocks], subplans.as_children(blocks))
         if got is not None and subplans.depth(blocks) > 1:
-            self.measured.append(Measured(blocks, got[0], recompute_fraction(self.cg, blocks), self._seed))
+            self.measured.append(Measured(blocks, got[0], recompute_fraction(self.cg, blocks), self._seed, got[1]))
         return got
 
     def cheapen(self, found: NestedResult, seed: Plan) -> NestedResult:
@@ -296,13 +281,12 @@ class NestedSearch:
 
     def cheapest(self, limit: int) -> tuple[NestedResult, Plan] | None:
         """The measured nested plan of least recomputation whose peak is at most ``limit`` (ties: the lower
-        peak), with its module generated again, and the plan its search started from; None if none fits."""
+        peak), and the plan its search started from; None if none fits."""
         fits = [m for m in self.measured if m.measured <= limit]
         if not fits:
             return None
         m = min(fits, key=lambda m: (m.recompute_fraction, m.measured))
-        module = segment_module(self.cg.graph["gm"], [b.names for b in m.blocks], subplans.as_children(m.blocks))
-        return NestedResult(m.blocks, m.measured, module, m.recompute_fraction), m.seed
+        return NestedResult(m.blocks, m.measured, m.code, m.recompute_fraction), m.seed
 
     def _promising(self, trees: Iterable[list[Block]]) -> list[tuple[int, list[Block]]]:
         """``trees`` with their replayed peaks, lowest first (in their own order, all 0, without a replay)."""
@@ -351,7 +335,7 @@ class NestedSearch:
         order = sorted(range(len(base.segments)), key=lambda i: -segment_peaks[i]) if segment_peaks else []
         rank = {v: r for r, i in enumerate(order) for v in base.segments[i]}
         best_blocks = [Block(list(s)) for s in base.segments]
-        best, module = base_measured, None
+        best, code = base_measured, None
         for _ in range(ROUNDS):
             round_best, idle = None, 0
             patience = PATIENCE if self.replayed is None else REPLAYED_PATIENCE
@@ -366,8 +350,8 @@ class NestedSearch:
                     round_best, idle = (got[0], got[1], cand), 0
             if round_best is None or round_best[0] > best * (1 - MIN_GAIN):
                 break
-            best, module, best_blocks = round_best
+            best, code, best_blocks = round_best
             logger.debug("nested: measured peak %d bytes, %d measurements left", best, self.measurements_left)
-        if module is None:
+        if code is None:
             return None
-        return NestedResult(best_blocks, best, module, recompute_fraction(self.cg, best_blocks))
+        return NestedResult(best_blocks, best, code, recompute_fraction(self.cg, best_blocks))

@@ -55,17 +55,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxplan import chen, dp
-from fxplan.capture import as_call
-from fxplan.codegen import SegmentedModule, segment_module
+from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.fakes import to_fake
 from fxplan.lowersets import enumerate_lower_sets
-from fxplan.measure import GiB, measure_fake
+from fxplan.measure import GiB
+from fxplan.meter import PlanMeter
 from fxplan.nested import NestedResult, NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
 from fxplan.plans import Plan
@@ -125,7 +122,7 @@ class Candidate:
     module: SegmentedModule | None = None
     rejected: bool = False
     peaks: tuple[int, list[int]] | None = None  # (whole step, per segment), from ``replay_step``
-    code: str | None = None  # the generated code measured, when measured on the search's fake copy
+    code: str | None = None  # the generated code measured (the module over the model must run it)
 
     def _peaks(self) -> tuple[int, list[int]]:
         if self.peaks is None:
@@ -161,7 +158,7 @@ class Search:
         self._exhausted = False
         self._floor: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`floor`
         self._lowest: Candidate | None = None
-        self._fake: tuple[fx.GraphModule, tuple[tuple, dict], FakeTensorMode] | None = None  # :meth:`measure`
+        self.meter = PlanMeter(cg, example_inputs, loss_fn)
         self._nested: NestedSearch | None = None  # the nested search of :meth:`lowest`, once run
 
     def _candidate(self, p: Plan) -> Candidate | None:
@@ -207,37 +204,18 @@ class Search:
 
     # ------------------------------------------------------------------------------------ measuring
     def measure(self, c: Candidate) -> int | None:
-        """The measured peak of ``c`` (measured once); None if the rewriter rejects the plan.
-
-        The module is generated over one fake copy of the captured graph, made once per search, and its
-        step measured on that copy (:func:`fxplan.measure.measure_fake`): the same step as
-        :func:`fxplan.measure_step` on a copy of the module generated over the model, without copying
-        (and so generating) every candidate twice. :meth:`result` generates the chosen plan's module
-        over the model and checks that its code is the code measured.
-        """
+        """The measured peak of ``c`` (measured once, :class:`fxplan.meter.PlanMeter`); None if the rewriter
+        rejects the plan. :meth:`result` generates the chosen plan's module over the model."""
         if c.measured is None and not c.rejected:
-            gm, inputs, fake_mode = self._fake_graph()
-            try:
-                twin = segment_module(gm, c.plan.segments, c.plan.children)
-            except FxplanError as exc:
-                logger.debug("plan of %d segments rejected by the rewriter: %s", c.plan.num_segments, exc)
+            got = self.meter.measure(c.plan.segments, c.plan.children)
+            if got is None:
                 c.rejected = True
                 return None
-            c.measured = measure_fake(twin, inputs, fake_mode, self.loss_fn).peak_bytes
-            c.code = _code(twin)
+            c.measured, c.code = got
             logger.debug("candidate: %d segments, recompute %.3f, replayed %d, measured %d bytes",
                          c.plan.num_segments, c.recompute, c.replayed, c.measured)
             self.ratio = min(self.ratio, c.measured / c.replayed)
         return c.measured
-
-    def _fake_graph(self) -> tuple[fx.GraphModule, tuple[tuple, dict], FakeTensorMode]:
-        """A fake copy of the captured graph (the trace's, :mod:`fxplan.trace`: made by the rule of
-        :func:`fxplan.measure_step`), its fake mode and the inputs as fake ``(args, kwargs)``."""
-        if self._fake is None:
-            gm, fake_mode = self.cg.graph["fake"]
-            call = as_call(self.inputs)
-            self._fake = (gm, to_fake((call.args, call.kwargs), fake_mode), fake_mode)
-        return self._fake
 
     def _may_fit(self, c: Candidate, budget: float) -> bool:
         """False only if ``c`` cannot fit ``budget`` unless the replay errs by more than the margin."""
@@ -266,7 +244,7 @@ class Search:
         :meth:`smallest`, or the lowest nested plan :mod:`fxplan.nested` finds from :meth:`_seeds`."""
         if self._lowest is None:
             self._lowest = self.smallest()
-            self._nested = nested = NestedSearch(self.cg, self.inputs, self.loss_fn, replayed=self._replay_tree)
+            self._nested = nested = NestedSearch(self.cg, self.meter, replayed=self._replay_tree)
             lowest = None
             for group in self._seeds() if nested.max_measurements > 0 else []:
                 nested.start_group()  # a budget per solver: see _seeds
@@ -372,10 +350,7 @@ class Search:
     def result(self, c: Candidate, budget_bytes: int | None) -> SegmentedModule:
         """The chosen candidate's module, carrying its plan with replayed and measured peaks."""
         if c.module is None:
-            c.module = segment_module(self.cg.graph["gm"], c.plan.segments, c.plan.children)
-            if _code(c.module) != c.code:
-                raise FxplanError("internal error: the module generated for the chosen plan differs from the "
-                                  "one measured; please report it with the model (measure_step it to check)")
+            c.module = self.meter.module(c.plan.segments, c.plan.children, c.code)
         plan = replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
                        memory_model=c.plan.memory_model if c.plan.children else "replay",
                        measured_peak_bytes=c.measured, budget_bytes=budget_bytes,
@@ -386,15 +361,9 @@ class Search:
 
 
 def _nested_candidate(cg: CostGraph, found: NestedResult, seed: Plan) -> Candidate:
-    """A nested plan the nested search measured (from the plan ``seed``), as a candidate: its module is the
-    one measured, and its peak is the measured one."""
-    return Candidate(found.plan(cg, seed), measured=found.measured, module=found.module,
-                     peaks=(found.measured, []))
-
-
-def _code(module: SegmentedModule) -> str:
-    """The generated code of a rewritten module and all its segments (not its class name)."""
-    return module.readable().split("\n", 1)[1]
+    """A nested plan the nested search measured (from the plan ``seed``), as a candidate of its measured peak
+    and code (:meth:`Search.result` generates its module)."""
+    return Candidate(found.plan(cg, seed), measured=found.measured, code=found.code, peaks=(found.measured, []))
 
 
 def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iterator[Plan]:

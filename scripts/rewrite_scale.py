@@ -36,7 +36,7 @@ from pathlib import Path
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
-from fxplan import dp, nested, rewriting, search
+from fxplan import dp, meter, rewriting, search
 from fxplan.sweep_model import SweepModel
 from fxplan.trace import trace
 
@@ -45,8 +45,7 @@ from planner_scale import residual_net  # noqa: E402
 
 STAGES = {"trace": [(rewriting, "trace")], "probe": [(search, "step_model")], "solve": [(search, "plan_graph")],
           "min": [(search, "min_budget_bytes_graph")], "replay": [(search, "replay")],
-          "codegen": [(search, "segment_module"), (nested, "segment_module")],
-          "measure": [(search, "measure_fake"), (nested, "measure_step")]}
+          "codegen": [(meter, "segment_module")], "measure": [(meter, "measure_fake")]}
 
 
 def build(name: str, batch: int):

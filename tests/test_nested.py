@@ -155,6 +155,7 @@ def test_search_goes_below_the_canonical_plans_and_trains_exactly():
 
 def test_the_nested_search_measures_at_most_its_budget_of_candidates():
     from fxplan import nested
+    from fxplan.meter import PlanMeter
     from fxplan.search import Search
     from fxplan.trace import trace
 
@@ -162,13 +163,14 @@ def test_the_nested_search_measures_at_most_its_budget_of_candidates():
     x = (torch.randn(16, 3, 32, 32),)
     cg = trace(model, x)
     flat = Search(cg, model, x, solver="approx").smallest()
-    unbounded = nested.NestedSearch(cg, x, None, 1000)
+    meter = PlanMeter(cg, x, None)
+    unbounded = nested.NestedSearch(cg, meter, 1000)
     unbounded.improve(flat.plan, flat.measured, flat.segment_replayed)
     assert 1000 - unbounded.measurements_left > 2  # left alone it measures more than the cap below
-    capped = nested.NestedSearch(cg, x, None, 2)
+    capped = nested.NestedSearch(cg, meter, 2)
     capped.improve(flat.plan, flat.measured, flat.segment_replayed)
     assert capped.measurements_left == 0  # stopped after two measurements
-    assert nested.NestedSearch(cg, x, None, 0).improve(flat.plan, flat.measured, []) is None
+    assert nested.NestedSearch(cg, meter, 0).improve(flat.plan, flat.measured, []) is None
     sizes = [nested.measurement_budget(n) for n in (10, 500, 1000, 10_000, 30_000)]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == nested.MEASUREMENTS and sizes[-1] == 0
 
@@ -187,7 +189,7 @@ def test_cheapen_undoes_the_moves_that_do_not_matter_for_the_peak(monkeypatch):
     B = subplans.Block
     split = [B(names[:3], [B(names[:1]), B(names[1:3])]), B(names[3:6], [B(names[3:5]), B(names[5:6])]),
              B(names[6:])]
-    search = nested.NestedSearch(cg, None, None, 10)
+    search = nested.NestedSearch(cg, None, 10)
     calls = []
 
     def measure(blocks):
@@ -222,12 +224,12 @@ def test_smallest_and_in_between_budgets_take_the_cheapest_nested_plan_measured(
     assert low.measured < flat.measured and pool
     # a plan of the lowest peak said to recompute less: the one every budget down to that peak must take
     best = min((m for m in pool if m.measured == low.measured), key=lambda m: m.recompute_fraction)
-    pool.append(nested.Measured(best.blocks, best.measured, best.recompute_fraction / 2, best.seed))
+    pool.append(nested.Measured(best.blocks, best.measured, best.recompute_fraction / 2, best.seed, best.code))
     for budget in (low.measured, (low.measured + flat.measured) // 2):
         fits = [m.recompute_fraction for m in pool if m.measured <= budget]
         chosen = search.choose(budget, "time")
         assert chosen.measured <= budget and chosen.recompute == min(fits) < low.recompute
-        assert measure_step(chosen.module, x, fake=True).peak_bytes == chosen.measured
+        assert measure_step(search.result(chosen, budget), x, fake=True).peak_bytes == chosen.measured
     assert search.choose(None, "time").recompute == min(fits)
     assert search.choose(None, "memory").recompute == min(fits)
 
