@@ -369,17 +369,25 @@ class _Replayer:
             seg_peaks[i] = self.peak
         return seg_peaks
 
-    def backward_block(self, level: list[Block], i: int) -> None:
+    def backward_block(self, level: list[Block], i: int, in_recompute: bool = False) -> None:
         """The backward of block ``level[i]``: recomputed first if checkpointed (every block of a level but
-        the last), then its sub-blocks' backward in reverse, or its nodes' if it is a leaf."""
+        the last), then its sub-blocks' backward in reverse, or its nodes' if it is a leaf.
+        ``in_recompute``: the block's checkpoint was made while an enclosing block was recomputed; such a
+        checkpoint lets go of its inputs once its own recomputation has run."""
         b = level[i]
-        if i < len(level) - 1:
+        checkpointed = i < len(level) - 1
+        if checkpointed:
             self.recompute(b)
+            if in_recompute:
+                self._release_inputs(b)
         if b.sub is None:
             self.backward_nodes(b.names)
         else:
             for j in range(len(b.sub) - 1, -1, -1):
-                self.backward_block(b.sub, j)
+                self.backward_block(b.sub, j, in_recompute or checkpointed)
+        self._release_inputs(b)
+
+    def _release_inputs(self, b: Block) -> None:
         for sid in self.inputs.pop(id(b), ()):
             self.release(sid, ("ckpt", id(b)))
 
@@ -389,7 +397,7 @@ class _Replayer:
             if v not in grad:  # nothing downstream needs a gradient through v
                 self.unsave(v)
                 continue
-            extra, replaced = 0, []
+            sums, accumulated, replaced, before = 0, 0, [], self.current
             passes = PASS_THROUGH.get(cg.nodes[v].get("kind"))
             for u in self.preds[v]:
                 if u not in sm.grad_inputs.get(v, ()):
@@ -403,22 +411,25 @@ class _Replayer:
                 elif u in grad:
                     # a contribution, summed with the existing gradient into a new tensor (the meter
                     # sees autograd sum out of place; on a real CPU step it may add in place instead)
-                    extra += size
+                    sums += size
                     replaced.append((grad[u], u))
                     grad[u] = self.new(size, ("grad", u))
                 else:
                     grad[u] = self.new(size, ("grad", u))
             for key, nbytes in sm.param_grads.get(v, ()):
                 if sm.grads_exist or key in self.seen_params:
-                    extra += nbytes
+                    accumulated += nbytes
                 else:
                     self.seen_params.add(key)
                     self.new(nbytes, ("param", key))
-            self.peak = max(self.peak, self.current + extra)
-            for old, u in replaced:
-                self.release(old, ("grad", u))
+            self.peak = max(self.peak, self.current + accumulated, before + cg.nodes[v].get("backward_rise", 0))
+            # the engine lets go of the node's incoming gradient and saved tensors before it sums the
+            # gradients the node returned into those already there
             self.release(grad.pop(v), ("grad", v))
             self.unsave(v)
+            self.peak = max(self.peak, self.current + sums)
+            for old, u in replaced:
+                self.release(old, ("grad", u))
 
     def recompute(self, b: Block) -> None:
         """Re-run a checkpointed block's forward for its backward.

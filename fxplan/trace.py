@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import weakref
 from typing import Any
 
 import torch
@@ -114,6 +115,9 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     cg = _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
     cg.graph["captured"] = captured
     cg.graph["gradients"] = propagator.gradients()
+    for name, rise in propagator.backward_rises().items():
+        if name in cg:
+            cg.nodes[name]["backward_rise"] = rise
     # the fake copy propagated (its parameters without .grad: no backward ran) and its fake mode, on which
     # the budget search measures its candidates (fxplan.search) without copying the model again
     cg.graph["fake"] = (propagator.module, propagator.fake_mode)
@@ -277,6 +281,51 @@ class _CostPropagator(torch.fx.Interpreter):
             if node.name in self.records:
                 self.records[node.name].call = ((), {})
 
+    def backward_rises(self) -> dict[str, int]:
+        """Per node, the most bytes its backward allocates beyond what it starts with (0 omitted).
+
+        Each node runs again on its own, on detached copies of its inputs (so that its backward stops at
+        them), and its backward runs from its outputs to those inputs and its parameters; the storages it
+        creates and holds at once are counted: the gradients it returns and, for a node that autograd
+        runs as several functions (an attention that PyTorch decomposes into matmuls, a softmax and a
+        dropout), the gradients passed between them, which a replay that sees only the node's inputs
+        and outputs would miss (:mod:`fxplan.replay`).
+        """
+        rises: dict[str, int] = {}
+        for node in self.module.graph.nodes:
+            if node.op not in COMPUTE_OPS or not self.grad_fns.get(node.name):
+                continue
+            with self.fake_mode:
+                try:
+                    rise = self._backward_rise(node)
+                except RuntimeError as exc:  # e.g. an in-place op on an input: no estimate
+                    logger.debug("no backward estimate for %s: %s", node.name, exc)
+                    continue
+            if rise:
+                rises[node.name] = rise
+        return rises
+
+    def _backward_rise(self, node: torch.fx.Node) -> int:
+        leaves: list[torch.Tensor] = []
+
+        def leaf(t):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                leaves.append(t.detach().requires_grad_())
+                return leaves[-1]
+            return t
+
+        args, kwargs = tree_map(leaf, self.fetch_args_kwargs_from_env(node))
+        out = getattr(self, node.op)(node.target, args, kwargs)
+        if node.op == "call_module":
+            leaves += [p for p in self.module.get_submodule(str(node.target)).parameters() if p.requires_grad]
+        outs = [t for t in _tensors(out) if t.grad_fn is not None]
+        if not outs or not leaves:
+            return 0
+        seeds = [torch.ones_like(t) for t in outs]
+        with _NewStorages() as tracker:
+            torch.autograd.grad(outs, leaves, seeds, allow_unused=True)
+        return tracker.peak_bytes
+
     def gradients(self) -> tuple[dict[str, frozenset[str]], frozenset[str]]:
         """Which inputs of each node its backward gives a gradient, and which nodes have no backward of
         their own (their inputs get the incoming gradient as it comes).
@@ -296,6 +345,36 @@ class _CostPropagator(torch.fx.Interpreter):
                 if fns and all(fn._sequence_nr() < first for fn in fns):
                     passes.add(node.name)
         return grad_inputs, frozenset(passes)
+
+
+class _NewStorages(TorchDispatchMode):
+    """The most bytes of storages created inside the ``with`` block live at once (``peak_bytes``); a view
+    of a tensor made before it (an op's output sharing an input's storage) is not new."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = self.peak_bytes = 0
+        self._live: dict[int, int] = {}
+        self._old: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in _tensors((args, kwargs)):
+            key = t.untyped_storage()._cdata
+            if key not in self._live:
+                self._old.add(key)
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in self._live and key not in self._old:
+                self._live[key] = storage.nbytes()
+                self.current += storage.nbytes()
+                self.peak_bytes = max(self.peak_bytes, self.current)
+                weakref.finalize(storage, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
 
 
 def _reached(start_fns: set, first: int) -> set:
