@@ -154,11 +154,18 @@ def _schema_position(node: fx.Node, wanted) -> tuple[str, int | str] | None:
 
 
 def _aten_view_source(node: fx.Node) -> fx.Node | None:
-    """The input an ATen op's result may alias: a schema alias set shared with a return, or maybe-aliasing ops."""
+    """The input an ATen op's result may alias: a schema alias set shared with a return, an input whose
+    alias set goes into the wildcard (``Tensor(a -> *)``: the views in a list that ``split``, ``unbind`` or
+    ``chunk`` return), or maybe-aliasing ops."""
     op = node.target
     returned = {a for r in op._schema.returns if r.alias_info is not None for a in r.alias_info.before_set}
-    pos = _schema_position(node, lambda a: a.alias_info is not None and bool(set(a.alias_info.before_set)
-                                                                               & returned))
+
+    def aliased(a) -> bool:
+        info = a.alias_info
+        return info is not None and (bool(set(info.before_set) & returned)
+                                     or ("*" in info.after_set and not info.is_write))
+
+    pos = _schema_position(node, aliased)
     if pos is None and torch.Tag.maybe_aliasing_or_mutating in op.tags and node.args:
         pos = ("arg", 0)
     return _node_at(node, pos)

@@ -221,6 +221,7 @@ class _Replayer:
         self.inputs: dict[int, list[int]] = {}  # id of a checkpointed block -> the storages checkpoint keeps
         self.loss = -1  # the storage of what the loss holds for its backward
         self.grad: dict[str, int] = {}  # node -> the storage of its gradient, while backward needs it
+        self.slots: dict[str, list[int]] = {}  # node -> its other outputs' gradients (besides grad[node])
         self.seen_params: set[int] = set()
         self._next = 0
 
@@ -282,7 +283,9 @@ class _Replayer:
 
     # ---------------------------------------------------------------------------- values
     def produce(self, v: str, holder) -> None:
-        """Run node v: its value shares its operand's storage (view, in-place) or gets a new one."""
+        """Run node v: its value shares its operand's storage (view, in-place) or gets a new one, after the
+        temporaries its forward holds on the way (``forward_rise``)."""
+        self.peak = max(self.peak, self.current + self.cg.nodes[v].get("forward_rise", 0))
         src = self.sm.inplace.get(v) if v not in self.copies else None
         src = src or self.sm.views.get(v)
         if src is not None and self.sid.get(src) in self.holders:
@@ -408,6 +411,11 @@ class _Replayer:
                 if shared and u not in grad:
                     grad[u] = grad[v]
                     self.hold(grad[u], ("grad", u))
+                elif u in grad and v in sm.passes and cg.nodes[v].get("kind") == "getitem":
+                    # one output of a node that returns several (split, unbind): autograd keeps each
+                    # output's gradient in its own slot of the node's backward, and sums nothing
+                    self.hold(grad[v], ("grad", u))
+                    self.slots.setdefault(u, []).append(grad[v])
                 elif u in grad:
                     # a contribution, summed with the existing gradient into a new tensor (the meter
                     # sees autograd sum out of place; on a real CPU step it may add in place instead)
@@ -426,6 +434,8 @@ class _Replayer:
             # the engine lets go of the node's incoming gradient and saved tensors before it sums the
             # gradients the node returned into those already there
             self.release(grad.pop(v), ("grad", v))
+            for sid in self.slots.pop(v, ()):
+                self.release(sid, ("grad", v))
             self.unsave(v)
             self.peak = max(self.peak, self.current + sums)
             for old, u in replaced:

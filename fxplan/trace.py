@@ -15,7 +15,10 @@ through a private fake-tensor copy of the model, one node at a time, to record p
   the node's own output (``saves_output``), which predecessors' outputs it keeps (``saved_inputs``),
   and the bytes of anything else it keeps (``saved``: BatchNorm statistics, pooling indices, masks);
 * ``alias_of``: the predecessor whose storage the output shares (views and in-place ops), else None;
-* ``mutates``: the buffers the node writes in place, seen from the schemas of the ops it runs.
+* ``mutates``: the buffers the node writes in place, seen from the schemas of the ops it runs;
+* ``forward_rise`` and ``backward_rise``: the most bytes of new storages the node's forward and its
+  backward hold at once (its outputs and gradients, and the temporaries between the ops it runs: an
+  attention decomposed into matmuls, a softmax and a dropout), where not 0, for the replay.
 
 The same propagation records what the replay of a plan's backward (:mod:`fxplan.replay`) needs from
 autograd: which inputs of each node its backward gives a gradient, which nodes have no backward of
@@ -118,6 +121,9 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     for name, rise in propagator.backward_rises().items():
         if name in cg:
             cg.nodes[name]["backward_rise"] = rise
+    for name, record in propagator.records.items():
+        if name in cg and record.forward_rise:
+            cg.nodes[name]["forward_rise"] = record.forward_rise
     # the fake copy propagated (its parameters without .grad: no backward ran) and its fake mode, on which
     # the budget search measures its candidates (fxplan.search) without copying the model again
     cg.graph["fake"] = (propagator.module, propagator.fake_mode)
@@ -184,7 +190,7 @@ class _MutationRecorder(TorchDispatchMode):
 
 class _NodeRecord:
     __slots__ = ("out_bytes", "flops", "saved_storages", "out_storages", "numel", "alias_storage", "mutates",
-                 "bytes_moved", "ops", "device", "call")
+                 "bytes_moved", "ops", "device", "call", "forward_rise")
 
     def __init__(self):
         self.out_bytes = 0
@@ -198,6 +204,7 @@ class _NodeRecord:
         self.out_storages: set[int] = set()
         self.alias_storage: int | None = None
         self.mutates: tuple[str, ...] = ()
+        self.forward_rise = 0
 
 
 class _CostPropagator(torch.fx.Interpreter):
@@ -248,8 +255,10 @@ class _CostPropagator(torch.fx.Interpreter):
         mutations = _MutationRecorder(self.buffer_names)
         traffic = ByteCounter()
         record.call = self.fetch_args_kwargs_from_env(n)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, mutations, traffic:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, mutations, traffic, \
+                _NewStorages() as fresh:
             out = super().run_node(n)
+        record.forward_rise = fresh.peak_bytes
         record.mutates = tuple(mutations.written)
         record.flops = flop_counter.get_total_flops()
         record.bytes_moved, record.ops = traffic.bytes_moved, traffic.ops

@@ -298,3 +298,67 @@ def test_replay_of_nested_plans_follows_the_meter():
         predicted = replay(cg, sm, segments, children).peak_bytes
         measured = measure_step(segment_module(cg.graph["gm"], segments, children), inputs, fake=True).peak_bytes
         assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
+class _Attention(torch.nn.Module):
+    """A transformer's attention in small: one projection split into queries, keys and values, and an
+    attention with dropout, which PyTorch runs as matmuls, a softmax and a dropout (temporaries the size
+    of the attention matrix in its forward and its backward), then a residual add."""
+
+    def __init__(self, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.norm(x)).split(w, dim=2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, s, w))
+
+
+def _nested_plans(names: list[str], rng: random.Random, count: int):
+    """Random plans of 2-6 segments, one or two of them (not the last) split into 2-3 sub-segments."""
+    from fxplan.subplans import Block
+
+    for _ in range(count):
+        flat = chunks(names, rng.randint(2, 6))
+        blocks = [Block(s) for s in flat]
+        for i in rng.sample(range(len(flat) - 1), min(len(flat) - 1, rng.randint(1, 2))):
+            if len(flat[i]) >= 3:
+                blocks[i] = Block(flat[i], [Block(c) for c in chunks(flat[i], rng.randint(2, 3))])
+        yield blocks
+
+
+@pytest.mark.parametrize("case, tolerance", [("attention", 5e-3), ("densenet", 1e-3), ("resnet", 1e-4)])
+def test_replay_is_exact_on_flat_and_nested_plans(case, tolerance):
+    """To the byte or nearly (the attention's by up to 0.11% in some runs of the suite, not reproduced
+    alone; DenseNet's concatenations keep a few gradients of kilobytes a little longer than the replay
+    does), on plans whose peaks the replay used to miss (by up to 8.5% on the attention and 0.13% on the
+    ResNet): in the backward or the recomputed forward of an attention decomposed into several ops (their
+    temporaries come from the trace: ``forward_rise``, ``backward_rise``), through the views ``split``
+    returns and the gradients of its outputs (one slot each, not summed), for a checkpoint made during a
+    recomputation (it lets go of its inputs once recomputed: DenseNet's concatenated features) and where
+    a gradient is summed (ResNet's downsampling branch: after the node's incoming gradient and saved
+    tensors are released)."""
+    from fxplan.subplans import as_children
+
+    torch.manual_seed(0)
+    if case == "attention":
+        model = torch.nn.Sequential(*[_Attention() for _ in range(3)]).train()
+        make = lambda: (torch.randn(4, 64, 32),)  # noqa: E731
+    else:
+        net = torchvision.models.densenet121 if case == "densenet" else torchvision.models.resnet18
+        model = net(weights=None).train()
+        make = lambda: (torch.randn(4, 3, 64, 64),)  # noqa: E731
+    with FakeTensorMode():
+        inputs = make()
+    cg = trace(model, inputs)
+    sm = step_model(cg, model, inputs)
+    rng = random.Random(0)
+    for blocks in _nested_plans(compute_names(cg.graph["gm"]), rng, 8):
+        segments, children = [b.names for b in blocks], as_children(blocks)
+        predicted = replay(cg, sm, segments, children).peak_bytes
+        measured = measure_step(segment_module(cg.graph["gm"], segments, children), inputs, fake=True).peak_bytes
+        assert abs(predicted - measured) <= tolerance * measured, (segments, predicted, measured)
