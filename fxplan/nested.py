@@ -24,8 +24,9 @@ lowers the peak most, until none lowers it by ``MIN_GAIN`` (at most ``ROUNDS`` r
 
 Moves are generated in order of the base plan's replayed per-segment peaks (segments whose backward is
 near the peak first), at most ``MOVES_PER_ROUND`` per round. Each is replayed (:func:`fxplan.replay.replay`
-follows nested plans too) and they are measured lowest replayed peak first, only while the replayed peak
-is within ``TOLERANCE`` of the peak to beat and until ``PATIENCE`` in a row have not lowered the round's
+follows nested plans too) and they are measured lowest replayed peak first (equal peaks: least
+recomputation first), only while the replayed peak is within ``TOLERANCE`` of the measured peak to beat and
+predicts a gain (``RELATIVE_TOLERANCE``), and until ``PATIENCE`` in a row have not lowered the round's
 best, at most ``MEASUREMENTS`` measurements per starting plan (fewer on large graphs), so planning time
 stays bounded on graphs with many segments.
 
@@ -78,17 +79,18 @@ MIN_GAIN = 0.01
 CHEAPEN = 16
 
 #: A move is measured only if its replayed peak (:func:`fxplan.replay.replay`, nested plans included) is at
-#: most this fraction above the peak it must beat: the replay of nested plans is within 1.6% of the
-#: measurement on ResNet-50 and DenseNet-121, 3% on EfficientNet-B0 and 6% on a small GPT-2 (random nested
-#: plans), so a move it predicts further above cannot win unless it errs more. Moves are measured lowest
-#: replayed peak first. Each measurement is a fake step; a replay, a fraction of one.
+#: most this fraction above the measured peak it must beat. On random nested plans the replay is within 0.03%
+#: of the measurement on ResNet-50, DenseNet-121, GoogLeNet, EfficientNet-B0, ConvNeXt-atto and VGG-11; on a
+#: 4-layer GPT-2 it errs by up to 4.4% on plans nested three deep (docs/planner.md). Each measurement is a
+#: fake step; a replay, a fraction of one.
 TOLERANCE = 0.03
 
 #: A move is measured only if its replayed peak is also at most this fraction above the replayed peak of the
-#: plan it must beat: the replay's errors are mostly common to a plan and the moves made from it (the same
-#: segments around the peak), so a move the replay says lowers nothing, measured, lowers nothing; on
-#: ResNet-50, EfficientNet-B0 and a GPT-2 they were 36 of the no-budget rewrite's 44, 12 and 47 measurements
-#: (docs/planner.md). Below MIN_GAIN, so that such moves are not measured.
+#: plan it must beat, less MIN_GAIN: only moves the replay predicts to gain at least MIN_GAIN -
+#: RELATIVE_TOLERANCE are measured. Where the replay errs, it errs alike on a plan and the moves made from
+#: it (the same segments around the peak), so a move it predicts lowers nothing, measured, lowers nothing:
+#: most of the search's measurements were such moves (no-budget ResNet-50 at batch 8: 44 fake steps before,
+#: 19 now, the same plan; docs/planner.md).
 RELATIVE_TOLERANCE = 0.005
 
 #: PATIENCE when moves are measured lowest replayed peak first: the moves that lower the peak come first.
@@ -307,9 +309,12 @@ class NestedSearch:
         return predicted <= bar * (1 + TOLERANCE) and predicted <= replayed_bar * (1 + RELATIVE_TOLERANCE)
 
     def _promising(self, trees: Iterable[list[Block]]) -> list[tuple[int, list[Block]]]:
-        """``trees`` with their replayed peaks, lowest first (in their own order, all 0, without a replay)."""
-        scored = [(self._replayed(t), n, t) for n, t in enumerate(trees)]
-        return [(peak, t) for peak, _, t in sorted(scored, key=lambda x: x[:2])]
+        """``trees`` with their replayed peaks, lowest first, equal peaks least recomputation first (in their
+        own order, all 0, without a replay)."""
+        if self.replayed is None:
+            return [(0, t) for t in trees]
+        scored = [(self._replayed(t), recompute_fraction(self.cg, t), n, t) for n, t in enumerate(trees)]
+        return [(peak, t) for peak, _, _, t in sorted(scored, key=lambda x: x[:3])]
 
     def _moves(self, blocks: list[Block], rank: dict[str, int]) -> Iterator[list[Block]]:
         """Trees one move away from ``blocks``, most promising first (``rank``: node -> priority, 0 best);

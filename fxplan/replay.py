@@ -19,16 +19,22 @@ bytes of live storages as :func:`fxplan.measure_step` does:
   every output;
 * backward: segments in reverse order, nodes in reverse order inside each; a recomputed segment first
   re-runs its forward to recover what it saves; processing a node allocates the gradients of its
-  inputs (a view's input gradient is a view of its own) and of its parameters (kept when the model
-  starts without ``.grad``, added into the existing ones otherwise), then frees its own gradient and
-  the values it saved once no other node needs them.
+  inputs (a view's input gradient is a view of its own; the outputs of a node that returns several
+  keep one gradient each) and of its parameters (kept when the model starts without ``.grad``, added
+  into the existing ones otherwise), then frees its own gradient and the values it saved once no
+  other node needs them, and only then sums a gradient into one already there;
+* a node's own temporaries: the most bytes its forward and its backward hold at once, measured by the
+  trace (``forward_rise``, ``backward_rise``: an attention that PyTorch runs as matmuls, a softmax and
+  a dropout holds several tensors of the attention matrix's size), count at the moment it runs;
+* nested plans: a checkpoint made while its enclosing block is recomputed lets go of its inputs once it
+  has been recomputed itself.
 
 Which inputs receive gradients is recorded by the trace's propagation (:mod:`fxplan.trace`); what the
 loss holds, its peak and how large its gradients of the outputs are, by running it on fake outputs
 (:func:`probe_loss`). The peak is the largest total, resident bytes (parameters, buffers, inputs,
-existing gradients) included. What it does not see: temporaries inside one op's kernel or inside a
-leaf module's backward (convolution workspaces, a crop taken as two slices).
-docs/rewrite.md gives its residual error on the zoo (within 2.5%).
+existing gradients) included. What it does not see: a recomputation that checkpoint stops in the middle
+of a node that PyTorch runs as several ops (GPT-2's attention in plans nested three deep: up to 4.4%).
+docs/rewrite.md and docs/planner.md give its residual error.
 """
 
 from __future__ import annotations

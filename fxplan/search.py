@@ -15,7 +15,7 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    peaks (:func:`_floor_plans`: Chen's plans, the other DP's), so its smallest peak is at most any of
    theirs; ``solver="chen"`` is the paper's baseline and keeps to Chen's plans.
 2. **Prediction.** Each candidate's peak is predicted by replaying its step
-   (:func:`fxplan.replay.replay`, within 2.5% of the measurement on the zoo) and its recomputation is
+   (:func:`fxplan.replay.replay`, exact or nearly on the plans measured: docs/rewrite.md) and its recomputation is
    known exactly (``recompute_fraction``).
 3. **Choice.** For a budget B: the candidate of least recomputation whose *measured* peak is at
    most B (ties: the lower measured peak). Without a budget: the least recomputation among the
