@@ -301,18 +301,57 @@ class _CostPropagator(torch.fx.Interpreter):
         and outputs would miss (:mod:`fxplan.replay`).
         """
         rises: dict[str, int] = {}
+        known: dict[tuple, int] = {}  # a repeated layer's nodes are run once (_call_key)
         for node in self.module.graph.nodes:
             if node.op not in COMPUTE_OPS or not self.grad_fns.get(node.name):
                 continue
-            with self.fake_mode:
-                try:
-                    rise = self._backward_rise(node)
-                except RuntimeError as exc:  # e.g. an in-place op on an input: no estimate
-                    logger.debug("no backward estimate for %s: %s", node.name, exc)
-                    continue
+            key = self._call_key(node)
+            if key is None or key not in known:
+                with self.fake_mode:
+                    try:
+                        rise = self._backward_rise(node)
+                    except RuntimeError as exc:  # e.g. an in-place op on an input: no estimate
+                        logger.debug("no backward estimate for %s: %s", node.name, exc)
+                        rise = 0
+                if key is not None:
+                    known[key] = rise
+            else:
+                rise = known[key]
             if rise:
                 rises[node.name] = rise
         return rises
+
+    def _call_key(self, node: torch.fx.Node) -> tuple | None:
+        """What a node's backward depends on (its op or module, and its arguments' shapes, dtypes, strides,
+        which of them require gradients and which share storage); None if an argument is of no known kind."""
+        storages: dict[int, int] = {}
+
+        def describe(x):
+            if isinstance(x, torch.Tensor):
+                at = storages.setdefault(x.untyped_storage()._cdata, len(storages))
+                return ("tensor", tuple(x.shape), x.dtype, x.stride(), x.requires_grad, at)
+            if isinstance(x, (list, tuple)):
+                return tuple(describe(y) for y in x)
+            if isinstance(x, dict):
+                return tuple((k, describe(v)) for k, v in x.items())
+            if isinstance(x, slice):
+                return ("slice", x.start, x.stop, x.step)
+            if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                           torch.memory_format)):
+                return x
+            raise TypeError
+
+        if node.op == "call_module":
+            mod = self.module.get_submodule(str(node.target))
+            op = (type(mod), repr(mod), mod.training, tuple(describe(p) for p in mod.parameters()))
+        else:
+            op = node.target
+        try:
+            key = (node.op, op, describe(self.fetch_args_kwargs_from_env(node)))
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def _backward_rise(self, node: torch.fx.Node) -> int:
         leaves: list[torch.Tensor] = []

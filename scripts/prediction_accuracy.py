@@ -1,18 +1,20 @@
 """How well each memory prediction matches the measured peak, per zoo network, on the plans fxplan chooses.
 
-Usage: python scripts/prediction_accuracy.py [NAME ...] [--points K] [--batch-size N]
+Usage: python scripts/prediction_accuracy.py [NAME ...] [--points K] [--batch-size N] [--nested K]
 
 For each network (paper batch, zoo loss, fake tensors): the measured search of ``fxplan.rewrite``
 chooses plans at the smallest budget and at K budgets evenly spaced from there to the vanilla peak;
 every plan the search measured on the way is compared with three predictions of its whole-step peak:
 the replay (``fxplan.replay``, what ``fxplan.plan``/``rewrite`` show), the sweep model
 (``fxplan.sweep_model``, what the approximate DP plans with) and the autograd model (the solvers'
-default). Errors are (predicted - measured) / measured.
+default). Errors are (predicted - measured) / measured. ``--nested K``: the replay's largest error on K
+random nested plans (:mod:`fxplan.nested`) per network, too.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -22,7 +24,9 @@ from fxplan.lowersets import GraphIndex
 from fxplan.measure import measure_step
 from fxplan.memory_model import AutogradModel, evaluate_chain
 from fxplan.planning import resident_bytes
+from fxplan.replay import replay_blocks
 from fxplan.search import Search
+from fxplan.subplans import Block, as_children
 from fxplan.sweep_model import SweepModel
 from fxplan.trace import trace
 
@@ -32,6 +36,8 @@ def main() -> None:
     parser.add_argument("names", nargs="*", default=[n for n in models_zoo.names() if n != "lstm_lm"])
     parser.add_argument("--points", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=None)
+    parser.add_argument("--nested", type=int, default=0, metavar="K",
+                        help="also replay and measure K random nested plans per network")
     args = parser.parse_args()
     rows = []
     for name in args.names:
@@ -56,11 +62,38 @@ def main() -> None:
             chain = [ix.mask(low_set) for low_set in c.plan.lower_sets]
             for label, bm in models.items():
                 errors[label].append((evaluate_chain(bm, chain)[0] + resident) / c.measured - 1)
+        nested = nested_errors(cg, search, args.nested)
         rows.append((name, len(errors["replay"]), *(f"{min(e):+.1%} .. {max(e):+.1%}" for e in errors.values()),
-                     f"{max(abs(x) for x in errors['replay']):.2%}"))
+                     f"{max(abs(x) for x in errors['replay']):.2%}",
+                     f"{max(abs(x) for x in nested):.2%}" if nested else "-"))
         print(f"{name} done", flush=True)
     print(format_table(("network", "plans measured", "replay error", "sweep model error", "autograd model error",
-                        "replay max |error|"), rows))
+                        "replay max |error|", f"nested plans: replay max |error| ({args.nested})"), rows))
+
+
+def nested_errors(cg, search: Search, count: int) -> list[float]:
+    """Replay errors on ``count`` random nested plans (seeded): 2-8 segments, one or two of those before the
+    last split into 2-3 sub-segments, the first of which is split again in two plans out of three."""
+    order = [v for s in search.candidates[0].plan.segments for v in s]
+    rng, errors = random.Random(0), []
+    for _ in range(count):
+        flat = _chunks(order, rng.randint(2, 8))
+        blocks = [Block(s) for s in flat]
+        for i in rng.sample(range(len(flat) - 1), min(len(flat) - 1, rng.randint(1, 2))):
+            subs = [Block(c) for c in _chunks(flat[i], rng.randint(2, 3))]
+            if rng.random() < 2 / 3 and len(subs[0].names) >= 2:
+                subs[0] = Block(subs[0].names, [Block(c) for c in _chunks(subs[0].names, 2)])
+            blocks[i] = Block(flat[i], subs)
+        got = search.meter.measure([b.names for b in blocks], as_children(blocks))
+        if got is not None:
+            errors.append(replay_blocks(cg, search.step, blocks).peak_bytes / got[0] - 1)
+    return errors
+
+
+def _chunks(names: list[str], k: int) -> list[list[str]]:
+    """``names`` cut into at most ``k`` consecutive runs of near-equal length."""
+    k = max(1, min(k, len(names)))
+    return [names[len(names) * i // k:len(names) * (i + 1) // k] for i in range(k)]
 
 
 if __name__ == "__main__":
