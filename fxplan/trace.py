@@ -310,7 +310,8 @@ class _CostPropagator(torch.fx.Interpreter):
                 with self.fake_mode:
                     try:
                         rise = self._backward_rise(node)
-                    except RuntimeError as exc:  # e.g. an in-place op on an input: no estimate
+                    except Exception as exc:  # noqa: BLE001 (an in-place op on an input, an op fake tensors
+                        # cannot run again: no estimate; the replay only ranks plans, measured in the end)
                         logger.debug("no backward estimate for %s: %s", node.name, exc)
                         rise = 0
                 if key is not None:
@@ -341,15 +342,15 @@ class _CostPropagator(torch.fx.Interpreter):
                 return x
             raise TypeError
 
-        if node.op == "call_module":
-            mod = self.module.get_submodule(str(node.target))
-            op = (type(mod), repr(mod), mod.training, tuple(describe(p) for p in mod.parameters()))
-        else:
-            op = node.target
         try:
+            if node.op == "call_module":
+                mod = self.module.get_submodule(str(node.target))
+                op = (type(mod), repr(mod), mod.training, tuple(describe(p) for p in mod.parameters()))
+            else:
+                op = node.target
             key = (node.op, op, describe(self.fetch_args_kwargs_from_env(node)))
             hash(key)
-        except TypeError:
+        except (TypeError, RuntimeError):  # an argument of no known kind, a tensor without strides
             return None
         return key
 
