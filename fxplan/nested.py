@@ -359,7 +359,7 @@ class NestedSearch:
         rank = {v: r for r, i in enumerate(order) for v in base.segments[i]}
         best_blocks = [Block(list(s)) for s in base.segments]
         best, code = base_measured, None
-        best_replayed = self.replayed(best_blocks) if self.replayed is not None else 0
+        best_replayed = self._replayed(best_blocks)
         for _ in range(ROUNDS):
             round_best, idle = None, 0  # (measured, code, tree, replayed)
             patience = PATIENCE if self.replayed is None else REPLAYED_PATIENCE

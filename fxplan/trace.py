@@ -18,7 +18,8 @@ through a private fake-tensor copy of the model, one node at a time, to record p
 * ``mutates``: the buffers the node writes in place, seen from the schemas of the ops it runs;
 * ``forward_rise`` and ``backward_rise``: the most bytes of new storages the node's forward and its
   backward hold at once (its outputs and gradients, and the temporaries between the ops it runs: an
-  attention decomposed into matmuls, a softmax and a dropout), where not 0, for the replay.
+  attention decomposed into matmuls, a softmax and a dropout), for the replay (``backward_rise`` where
+  not 0).
 
 The same propagation records what the replay of a plan's backward (:mod:`fxplan.replay`) needs from
 autograd: which inputs of each node its backward gives a gradient, which nodes have no backward of
@@ -42,6 +43,7 @@ import operator
 import weakref
 from typing import Any
 
+import networkx as nx
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -118,12 +120,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     cg = _build_cost_graph(gm, propagator, cost_model, type(model).__name__)
     cg.graph["captured"] = captured
     cg.graph["gradients"] = propagator.gradients()
-    for name, rise in propagator.backward_rises().items():
-        if name in cg:
-            cg.nodes[name]["backward_rise"] = rise
-    for name, record in propagator.records.items():
-        if name in cg and record.forward_rise:
-            cg.nodes[name]["forward_rise"] = record.forward_rise
+    nx.set_node_attributes(cg, propagator.backward_rises(), "backward_rise")
     # the fake copy propagated (its parameters without .grad: no backward ran) and its fake mode, on which
     # the budget search measures its candidates (fxplan.search) without copying the model again
     cg.graph["fake"] = (propagator.module, propagator.fake_mode)
@@ -397,8 +394,9 @@ class _CostPropagator(torch.fx.Interpreter):
 
 
 class _NewStorages(TorchDispatchMode):
-    """The most bytes of storages created inside the ``with`` block live at once (``peak_bytes``); a view
-    of a tensor made before it (an op's output sharing an input's storage) is not new."""
+    """The most bytes live at once inside the ``with`` block beyond those live when it began (``peak_bytes``):
+    storages it creates, less those made before it that it frees; a view of a tensor made before it (an
+    op's output sharing an input's storage) is not new."""
 
     def __init__(self):
         super().__init__()
@@ -408,9 +406,11 @@ class _NewStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in _tensors((args, kwargs)):
-            key = t.untyped_storage()._cdata
-            if key not in self._live:
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key not in self._live and key not in self._old:
                 self._old.add(key)
+                weakref.finalize(storage, self._release_old, key, storage.nbytes())
         out = func(*args, **(kwargs or {}))
         for t in _tensors(out):
             storage = t.untyped_storage()
@@ -424,6 +424,12 @@ class _NewStorages(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
+
+    def _release_old(self, key: int, nbytes: int) -> None:
+        # a storage made before the block and freed in it (a saved tensor let go of mid-backward) lowers
+        # the total, and its address may then be reused by a new one
+        self._old.discard(key)
+        self.current -= nbytes
 
 
 def _reached(start_fns: set, first: int) -> set:
@@ -472,6 +478,7 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
             saved_inputs=saved_inputs,
             alias_of=owner.get(rec.alias_storage) if rec.alias_storage is not None else None,
             mutates=rec.mutates,
+            forward_rise=int(rec.forward_rise),
             kind=kind,
             target=_target_name(node),
         )

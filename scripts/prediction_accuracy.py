@@ -14,7 +14,9 @@ random nested plans (:mod:`fxplan.nested`) per network, too.
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -29,6 +31,9 @@ from fxplan.search import Search
 from fxplan.subplans import Block, as_children
 from fxplan.sweep_model import SweepModel
 from fxplan.trace import trace
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from models_awkward import chunks  # noqa: E402
 
 
 def main() -> None:
@@ -91,9 +96,8 @@ def nested_errors(cg, search: Search, count: int) -> list[float]:
 
 
 def _chunks(names: list[str], k: int) -> list[list[str]]:
-    """``names`` cut into at most ``k`` consecutive runs of near-equal length."""
-    k = max(1, min(k, len(names)))
-    return [names[len(names) * i // k:len(names) * (i + 1) // k] for i in range(k)]
+    """``names`` cut into at most ``k`` consecutive runs of near-equal length (none empty)."""
+    return chunks(names, max(1, min(k, len(names))))
 
 
 if __name__ == "__main__":
