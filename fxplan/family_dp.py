@@ -38,6 +38,12 @@ PRICED_LIMIT = 20_000_000
 APPROX_MAX_MOVES = 30_000_000
 """Moves the approximate DP may price at once (about 1.2 GB); beyond it, an FxplanError."""
 
+KERNEL_MIN_SETS = 2_000
+"""Families of at least this many sets are planned "time"-centric at a budget by the compiled DP of
+:mod:`fxplan.time_kernel` under models that provide it (the autograd model): it holds no moves, and at
+10,000 nodes and 30% of the single-segment peak takes 0.7 s against 8-9 s (docs/planner.md). Below, this
+module's engine is as fast and needs no compiled code loaded (about 0.3 s, once per process)."""
+
 
 # ------------------------------------------------------------------------------------------ fronts
 def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool) -> np.ndarray:
@@ -392,7 +398,9 @@ def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, t
 
 def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
                 max_sets: int | None = None) -> list[int] | None:
-    """One DP over ``fam``: "peak" by :func:`_min_peak_chain`, "memory" and "time" by :func:`_family_dp`.
+    """One DP over ``fam``: "peak" by :func:`_min_peak_chain`, "memory" and "time" by :func:`_family_dp`, or
+    "time" at a budget over ``KERNEL_MIN_SETS`` sets or more by :mod:`fxplan.time_kernel` where the model
+    allows.
 
     With a budget, only the moves that fit it are listed and :func:`_bottleneck` prunes states that cannot
     finish within it. "time" runs coarse to fine like :func:`_min_peak_chain`: a sub-family's plan bounds
@@ -409,6 +417,11 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
     """
     if objective == "peak":
         return _min_peak_chain(ctx, fam)
+    if objective == "time" and budget is not None and max_sets is None and fam.S >= KERNEL_MIN_SETS \
+            and hasattr(ctx.bm, "time_terms"):
+        from fxplan.time_kernel import least_overhead_chain  # numba: imported when first needed
+
+        return least_overhead_chain(ctx.bm, fam, budget, _EPS)
     S = fam.S
     cap = math.inf if budget is None else float(budget)
     levels = [np.arange(S)] if objective == "memory" else _levels(S)

@@ -311,17 +311,29 @@ class _BoundAutograd(BoundModel):
         fam.cache[key] = terms
         return terms
 
+    def time_terms(self, fam) -> dict:
+        """What :func:`fxplan.time_kernel.least_overhead_chain` prices moves with, as :meth:`pair_costs` does."""
+        _, TA, _, MB, _, savers, tau = self._family_terms(fam)
+        into, out_of = self._per_set_F(fam)
+        return {"TA": TA, "MB": MB, "savers": savers, "tau": tau, "into": into, "out_of": out_of}
+
+    def _per_set_F(self, fam) -> tuple[np.ndarray, np.ndarray]:
+        """The parts of F that depend on one set: (into L', out of L)."""
+        key = ("per-set F", id(self))
+        if key not in fam.cache:
+            c = self.cfg
+            _, _, SXA, MB, MRA, _, _ = self._family_terms(fam)
+            fam.cache[key] = (MRA + SXA + c.out_grad * MB, MRA + SXA)
+        return fam.cache[key]
+
     def pair_costs(self, fam, pi, pj):
         ix, c = self.ix, self.cfg
-        _, TA, SXA, MB, MRA, savers, tau = self._family_terms(fam)
+        _, TA, _, MB, _, savers, tau = self._family_terms(fam)
         P = len(pi)
         # u ∈ ∂(L) stays on ∂(L') if a consumer is outside L'; V' reads it if a consumer is inside L';
         # it joins R if a member of V' saves it. F = M(R) + S(V') + out·out_g + in·in_g + tr·max τ with
         # M(R) = MR*(L') - MR*(L) - (saved members of ∂(L)), out_g = M(∂L') - (members of ∂L staying)
-        key = ("per-set F", id(self))
-        if key not in fam.cache:
-            fam.cache[key] = (MRA + SXA + c.out_grad * MB, MRA + SXA)
-        into, out_of = fam.cache[key]
+        into, out_of = self._per_set_F(fam)
         pair, u, stays, read, saved = fam.boundary_runs(pi, pj, *savers)
         Mu = ix.M_np[u]
         kept = np.bincount(pair, weights=Mu * stays, minlength=P)

@@ -273,3 +273,62 @@ def test_exact_dp_memory_is_capped():
         with pytest.raises(FxplanError, match="approximate DP"):
             dp.solve(cg, None, strategy="memory", exact=True, engine=engine, max_states=1000)
     assert dp.solve(cg, None, strategy="memory", exact=False).num_segments >= 1
+
+
+def _final_cache(cg: CostGraph, plan) -> int:
+    ix = GraphIndex.build(cg)
+    return evaluate_chain(get_model("autograd").bind(ix), [ix.mask(s) for s in plan.lower_sets])[3]
+
+
+def _compiled_and_not(cg: CostGraph, budget: int, exact: bool):
+    """The time-centric plan at ``budget`` by the compiled DP and by the family engine (BudgetError as a value)."""
+    old = family_dp.KERNEL_MIN_SETS
+    plans = []
+    try:
+        for threshold in (0, math.inf):
+            family_dp.KERNEL_MIN_SETS = threshold
+            dp.forget_context(cg)
+            try:
+                plans.append(dp.solve(cg, budget, exact=exact))
+            except BudgetError as err:
+                plans.append(err.min_feasible_bytes)
+    finally:
+        family_dp.KERNEL_MIN_SETS = old
+    return plans
+
+
+def _assert_same_optimum(cg: CostGraph, budget: int, exact: bool) -> None:
+    compiled, engine = _compiled_and_not(cg, budget, exact)
+    if isinstance(engine, int):
+        assert compiled == engine, "both find no plan, and report the same smallest budget"
+        return
+    assert compiled.overhead == pytest.approx(engine.overhead, rel=1e-9, abs=1e-9)
+    assert _final_cache(cg, compiled) <= _final_cache(cg, engine), "ties: the least cache"
+    check_plan(cg, compiled, budget)
+
+
+@settings(max_examples=60, deadline=None)
+@given(wider_dags(), st.booleans(), st.floats(1.0, 2.5))
+def test_compiled_time_dp_finds_the_family_engines_optimum(cg, exact, factor):
+    """fxplan.time_kernel: the least overhead of the family engine (exhaustive search: the test above), with
+    no more cache at the end, on the pruned family and on all lower sets."""
+    exact = exact and cg.number_of_nodes() <= 10
+    _assert_same_optimum(cg, int(factor * dp.min_budget_bytes(cg, exact=exact)), exact)
+
+
+def test_compiled_time_dp_on_a_long_graph_with_skips():
+    """Hundreds of sets, long skip connections, nodes that save their outputs: the same optimum at budgets
+    from the smallest to the single-segment peak (the pruning by known overheads and by ∅'s reach at work)."""
+    rng = np.random.default_rng(0)
+    n = 400
+    nodes = [f"v{i}" for i in range(n)]
+    # two interleaved chains (a set's size and its forward time order sets differently), joined now and then
+    edges = [(nodes[i - 2], nodes[i]) for i in range(2, n)] + [(nodes[i - 1], nodes[i]) for i in range(1, n, 9)]
+    edges += [(nodes[i], nodes[i + int(rng.integers(2, 40))]) for i in range(0, n - 40, 7)]
+    cg = CostGraph.from_edges(nodes, edges, {v: int(rng.integers(1, 1000)) for v in nodes},
+                              {v: int(rng.integers(1, 100)) for v in nodes})
+    for v in nodes[::5]:
+        cg.nodes[v]["saves_output"] = True
+    low, high = dp.min_budget_bytes(cg), dp.solve(cg, None).predicted_peak_bytes
+    for f in (0.0, 0.1, 0.3, 0.6, 1.0):
+        _assert_same_optimum(cg, int(low + f * (high - low)), exact=False)

@@ -1,0 +1,149 @@
+"""The time-centric DP of the autograd memory model over a whole family, compiled (numba).
+
+Under a model that recomputes every segment whole but the last (``H(L, L') = T(L' \\ L)``, 0 into V; the
+autograd and sweep models), a plan ∅ ⊊ L_1 ⊊ … ⊊ L_{k-1} ⊊ V has overhead T(L_{k-1}): the sum telescopes.
+So every state the DP of Kusumoto et al. (Algorithm 1, section 4.2) holds at a set L has the same
+objective a = T(L), and the state of least cache m dominates the others (any move that fits after one
+fits after it, and caches no more). The DP reduces to one number per set,
+
+    m*(∅) = 0,  m*(L') = min { m*(L) + G(L, L') : L ⊊ L' in the family, m*(L) + F(L, L') ≤ B },
+
+and the plan is the last set L of least (T(L), m*(L) + G(L, V)) with m*(L) + F(L, V) ≤ B: the same optimum
+as :func:`fxplan.family_dp._family_dp` (ties between plans of equal overhead and final cache aside).
+
+What made that DP slow on large graphs at a middle budget is listing and pricing its moves: every set
+reaches thousands of others (10,000 nodes at 30% of the single-segment peak: 8 s, 1.9 GB of move arrays).
+Here each move is priced where it is examined, in O(|edges leaving L| + |maximal members of L|) plus a
+range maximum, as :meth:`fxplan.memory_model._BoundAutograd.pair_costs` prices it, and nothing is stored
+per move. A source L is examined for L' only if its additive lower bound fits (``lb_weights``, the window
+:meth:`fxplan.family.Family.moves` lists) and it is a subset of L'.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from fxplan.family import Family, _byte_table, _sparse_table
+
+
+@njit(cache=True, error_model="numpy", inline="always")
+def _member(bits: np.ndarray, s: int, v: int) -> bool:
+    return (bits[s, v >> 3] >> (v & 7)) & 1 == 1
+
+
+@njit(cache=True, error_model="numpy")
+def _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M, table, log2,
+          bytes_max, out_grad, in_grad, transient):
+    """(F, bytes of ∂(L_i) still on ∂(L_j)) of the move L_i → L_j (a strict superset), as ``pair_costs``."""
+    n = len(M)
+    # the edges leaving L_i, grouped by boundary member u: u stays on ∂(L_j), is read by V', is saved by V'
+    kept, rest, t, end = 0.0, 0.0, oe_ptr[i], oe_ptr[i + 1]
+    while t < end:
+        u = oe_u[t]
+        stays, read, saved = False, False, False
+        while t < end and oe_u[t] == u:
+            if _member(bits, j, oe_w[t]):
+                read = True
+                saved = saved or oe_saver[t]
+            else:
+                stays = True
+            t += 1
+        if stays:
+            kept += M[u]
+        rest += M[u] * ((in_grad if read else 0.0) - (1.0 if saved else 0.0))
+    lo, hi = first_out[i], last_in[j]
+    if size[j] - size[i] == hi - lo + 1:  # V' fills its node range: a sparse-table maximum
+        k = log2[hi - lo + 1]
+        trans = max(table[k * n + lo], table[k * n + hi - (1 << k) + 1])
+    else:
+        trans = -np.inf
+        for b in range(lo >> 3, (hi >> 3) + 1):
+            trans = max(trans, bytes_max[b, bits[j, b] & ~bits[i, b]])
+    return into[j] - out_of[i] - out_grad * kept + rest + transient * trans, kept
+
+
+@njit(cache=True, error_model="numpy")
+def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, mx_node, oe_ptr, oe_u, oe_w,
+             oe_saver, into, out_of, MB, TA, M, table, log2, bytes_max, out_grad, in_grad, transient, last_free):
+    """Parents of the least-cache plans (module docstring), -1 where a set is unreachable; the last set's
+    parent is the plan's last recomputed set. ``by_w``: the sets sorted by ``W``; ``last_free``: the move into
+    the last set (V) is not recomputed. Sources are scanned ∅ first, then by ``W``; the first of least
+    (overhead, cache) is kept. A set that ∅ reaches in one move caches M(∂(L)), the least any plan can, so
+    no other source is scanned for it; nor for the last set once ∅ reaches it (no overhead at all). Sets
+    of more overhead than one already known to end a plan are skipped: overheads grow along a plan."""
+    S = len(size)
+    m = np.full(S, np.inf)
+    m[0] = 0.0
+    par = np.full(S, -1, dtype=np.int64)
+    w_sorted = W[by_w]
+    bound = np.inf  # the least T(L) of a set L reached so far whose move to V fits: no plan beyond it is better
+    for j in range(1, S):
+        last = last_free and j == S - 1
+        if not last and TA[j] > bound + eps:
+            continue
+        best_a, best_m, best_i = np.inf, np.inf, -1
+        F, kept = _move(0, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M,
+                        table, log2, bytes_max, out_grad, in_grad, transient)
+        if F <= budget + eps:
+            best_a, best_m, best_i = (0.0 if last else TA[j]), MB[j], 0
+        if best_i < 0:
+            lo_q = np.searchsorted(w_sorted, W[j] - budget - tol)
+            hi_q = np.searchsorted(w_sorted, W[j] + tol, side="right")
+            for q in range(lo_q, hi_q):
+                i = by_w[q]
+                if i == 0 or size[i] >= size[j] or m[i] == np.inf or m[i] + (W[j] - W[i]) > budget + eps + tol:
+                    continue
+                a = TA[i] if last else TA[j]
+                # what this move can cache at least (∂(L_i) staying on ∂(L_j) is at most M(∂(L_i)))
+                if a > best_a + eps or (a >= best_a - eps and m[i] - MB[i] + MB[j] >= best_m - eps):
+                    continue
+                subset = True
+                for t in range(mx_ptr[i], mx_ptr[i + 1]):
+                    if not _member(bits, j, mx_node[t]):
+                        subset = False
+                        break
+                if not subset:
+                    continue
+                F, kept = _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of,
+                                M, table, log2, bytes_max, out_grad, in_grad, transient)
+                if m[i] + F > budget + eps:
+                    continue
+                cache = m[i] + MB[j] - kept
+                if a < best_a - eps or cache < best_m - eps:
+                    best_a, best_m, best_i = a, cache, i
+        if best_i >= 0:
+            m[j], par[j] = best_m, best_i
+            if last_free and not last and TA[j] < bound:
+                F, _ = _move(j, S - 1, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of,
+                             M, table, log2, bytes_max, out_grad, in_grad, transient)
+                if best_m + F <= budget + eps:
+                    bound = TA[j]
+    return par
+
+
+def least_overhead_chain(bm, fam: Family, budget: float, eps: float) -> list[int] | None:
+    """The time-centric plan of least overhead within ``budget`` over ``fam`` under the autograd model ``bm``
+    (family indices of L_1..L_k, V last), or None if no plan fits."""
+    ix = bm.ix
+    terms = bm.time_terms(fam)
+    W = fam.sums(np.asarray(bm.lb_weights()[0], dtype=np.float64))
+    oe_ptr, oe_u, oe_w, oe_bd = fam.leaving_edges()
+    saver_pairs, in_rstar = terms["savers"]
+    oe_saver = np.isin(oe_u * ix.n + oe_w, saver_pairs) & ~in_rstar[oe_bd]
+    tau = terms["tau"]
+    n = ix.n
+    log2 = np.r_[0, np.floor(np.log2(np.arange(1, n + 1))).astype(np.int64)]
+    cfg = bm.cfg
+    par = _time_dp(float(budget), eps, 1e-9 * (float(np.abs(W).max()) + 1.0), W,
+                   np.argsort(W, kind="stable"), fam.size, fam.bits, fam.first_out, fam.last_in, fam.mx_ptr,
+                   fam.mx_node, oe_ptr, oe_u, oe_w, oe_saver, terms["into"], terms["out_of"], terms["MB"],
+                   terms["TA"], ix.M_np.astype(np.float64), _sparse_table(tau).reshape(-1), log2, _byte_table(tau),
+                   float(cfg.out_grad), float(cfg.in_grad), float(cfg.transient), fam.sets[-1] == ix.full)
+    if par[-1] < 0:
+        return None
+    chain, k = [fam.S - 1], fam.S - 1
+    while par[k] > 0:
+        k = int(par[k])
+        chain.append(k)
+    return chain[::-1]
