@@ -204,17 +204,8 @@ class Family:
 
         Raises :class:`FxplanError` if more than ``limit`` candidate pairs would be examined.
         """
-        tol = 1e-9 * (float(np.abs(weight).max()) + 1.0)
-        if targets is None:
-            tgt = np.arange(self.S)
-        else:
-            tgt = np.asarray(targets, dtype=np.int64)
-        order = tgt[np.argsort(weight[tgt], kind="stable")]
-        ws = weight[order]
         sources = np.asarray(sources, dtype=np.int64)
-        lo = np.searchsorted(ws, weight[sources] - tol, side="left")
-        hi = np.searchsorted(ws, weight[sources] + cap + tol, side="right") if np.isfinite(cap) else \
-            np.full(len(sources), len(ws), dtype=np.int64)
+        order, lo, hi = self._windows(weight, cap, sources, targets)
         lens = hi - lo
         ends = np.cumsum(lens)
         if limit is not None and len(ends) and ends[-1] > limit:
@@ -244,6 +235,23 @@ class Family:
         pj = np.concatenate(out_j) if out_j else np.zeros(0, dtype=np.int64)
         order = np.lexsort((pi, pj))
         return pi[order], pj[order]
+
+    def candidate_count(self, weight: np.ndarray, cap: float, sources: np.ndarray, targets: np.ndarray) -> int:
+        """How many pairs :meth:`moves` would examine (before its subset tests), without listing them."""
+        _, lo, hi = self._windows(weight, cap, np.asarray(sources, dtype=np.int64), targets)
+        return int((hi - lo).sum())
+
+    def _windows(self, weight: np.ndarray, cap: float, sources: np.ndarray, targets: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The targets sorted by weight, and per source the range of them within ``cap`` of its weight."""
+        tol = 1e-9 * (float(np.abs(weight).max()) + 1.0)
+        tgt = np.arange(self.S) if targets is None else np.asarray(targets, dtype=np.int64)
+        order = tgt[np.argsort(weight[tgt], kind="stable")]
+        ws = weight[order]
+        lo = np.searchsorted(ws, weight[sources] - tol, side="left")
+        hi = np.searchsorted(ws, weight[sources] + cap + tol, side="right") if np.isfinite(cap) else \
+            np.full(len(sources), len(ws), dtype=np.int64)
+        return order, lo, hi
 
     def boundary_runs(self, pi: np.ndarray, pj: np.ndarray, saver_pairs: np.ndarray | None = None,
                       in_rstar: np.ndarray | None = None

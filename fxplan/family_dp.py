@@ -38,11 +38,12 @@ PRICED_LIMIT = 20_000_000
 APPROX_MAX_MOVES = 30_000_000
 """Moves the approximate DP may price at once (about 1.2 GB); beyond it, an FxplanError."""
 
-KERNEL_MIN_SETS = 2_000
-"""Families of at least this many sets are planned "time"-centric at a budget by the compiled DP of
-:mod:`fxplan.time_kernel` under models that provide it (the autograd model): it holds no moves, and at
-10,000 nodes and 30% of the single-segment peak takes 0.7 s against 8-9 s (docs/planner.md). Below, this
-module's engine is as fast and needs no compiled code loaded (about 0.3 s, once per process)."""
+KERNEL_MOVES = 1_000_000
+"""A "time" solve at a budget whose last pass would list more candidate moves than this (beyond those
+from ∅ that settle their targets: :func:`_settled_moves`) runs the compiled DP of :mod:`fxplan.time_kernel`
+instead, under models that provide it (the autograd model): it stores no moves, and at 10,000 nodes and 30%
+of the single-segment peak takes about 1 s against 8-9 s (docs/planner.md). Below, this module's engine
+is as fast and needs no compiled code loaded (about 0.3 s, once per process)."""
 
 
 # ------------------------------------------------------------------------------------------ fronts
@@ -193,16 +194,21 @@ def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, ta
                 mask[sel] = True
                 keep &= mask[ends]
         return mv.restrict(keep)
-    wkey = ("lb", id(ctx.bm))
-    if wkey not in fam.cache:
-        fam.cache[wkey] = fam.sums(np.asarray(ctx.bm.lb_weights()[0], dtype=np.float64))
-    pi, pj = fam.moves(fam.cache[wkey], cap, sources, targets, ctx.move_limit.get(id(fam), APPROX_MAX_MOVES))
+    pi, pj = fam.moves(_lb_sums(ctx, fam), cap, sources, targets, ctx.move_limit.get(id(fam), APPROX_MAX_MOVES))
     mv = _Moves(pi, pj, *_price(ctx, fam, pi, pj))
     if np.isfinite(cap):
         mv = mv.restrict(mv.F <= cap + _EPS)
     if len(sources) == len(targets) == fam.S:
         ctx.moves[id(fam)] = (cap, mv)
     return mv
+
+
+def _lb_sums(ctx: Context, fam: Family) -> np.ndarray:
+    """Per set, the sum of the model's additive lower bound on F (``lb_weights``): moves are listed by it."""
+    key = ("lb", id(ctx.bm))
+    if key not in fam.cache:
+        fam.cache[key] = fam.sums(np.asarray(ctx.bm.lb_weights()[0], dtype=np.float64))
+    return fam.cache[key]
 
 
 def _bottleneck(fam: Family, sub: np.ndarray, mv: _Moves) -> tuple[np.ndarray, np.ndarray]:
@@ -376,21 +382,27 @@ def _min_peak_chain(ctx: Context, fam: Family) -> list[int]:
 
 
 def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, targets: np.ndarray,
-                   hsum: np.ndarray) -> _Moves:
+                   hsum: np.ndarray, most: int | None = None) -> _Moves | None:
     """The moves the "time" DP needs: into a set reachable from ∅ in one move that fits, only that move.
 
     Every plan reaching L caches at least ∂(L) (each member of ∂(L) is on the boundary of the segment that
     computes it), which is what the move from ∅ caches, and has overhead at least Σ_{v∈L} h(v). Where the
     move from ∅ reaches both bounds, its state dominates every other candidate at L (and comes first, so
     it is what the full DP keeps too): the other moves into L can be left out. At a large budget this turns
-    #sets² moves into #sets.
+    #sets² moves into #sets. None if the other moves would be more than ``most`` candidates to list and
+    price (none are listed where the whole family's moves are held for this cap already).
     """
     tg = targets[targets != 0]
     first = _priced_moves(ctx, fam, cap, np.zeros(1, dtype=np.int64), tg)  # from ∅, only moves that can fit
     first = first.restrict(first.H <= hsum[first.pj] + _EPS + 1e-9 * np.abs(hsum[first.pj]))
+    unsettled = np.setdiff1d(tg, first.pj)
+    held = ctx.moves.get(id(fam))
+    if most is not None and (held is None or held[0] < cap) \
+            and fam.candidate_count(_lb_sums(ctx, fam), cap, sources, unsettled) > most:
+        return None
     if not len(first.pj):
         return _priced_moves(ctx, fam, cap, sources, targets)
-    rest = _priced_moves(ctx, fam, cap, sources, np.setdiff1d(tg, first.pj))
+    rest = _priced_moves(ctx, fam, cap, sources, unsettled)
     both = _Moves(*(np.concatenate([x, y]) for x, y in zip(
         (rest.pi, rest.pj, rest.F, rest.G, rest.H), (first.pi, first.pj, first.F, first.G, first.H))))
     return both.restrict(np.lexsort((both.pi, both.pj)))
@@ -399,8 +411,8 @@ def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, t
 def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
                 max_sets: int | None = None) -> list[int] | None:
     """One DP over ``fam``: "peak" by :func:`_min_peak_chain`, "memory" and "time" by :func:`_family_dp`, or
-    "time" at a budget over ``KERNEL_MIN_SETS`` sets or more by :mod:`fxplan.time_kernel` where the model
-    allows.
+    "time" at a budget by :mod:`fxplan.time_kernel` where the model allows and a pass would list more than
+    ``KERNEL_MOVES`` candidate moves.
 
     With a budget, only the moves that fit it are listed and :func:`_bottleneck` prunes states that cannot
     finish within it. "time" runs coarse to fine like :func:`_min_peak_chain`: a sub-family's plan bounds
@@ -417,11 +429,6 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
     """
     if objective == "peak":
         return _min_peak_chain(ctx, fam)
-    if objective == "time" and budget is not None and max_sets is None and fam.S >= KERNEL_MIN_SETS \
-            and hasattr(ctx.bm, "time_terms"):
-        from fxplan.time_kernel import least_overhead_chain  # numba: imported when first needed
-
-        return least_overhead_chain(ctx.bm, fam, budget, _EPS)
     S = fam.S
     cap = math.inf if budget is None else float(budget)
     levels = [np.arange(S)] if objective == "memory" else _levels(S)
@@ -443,7 +450,12 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
             live = hsum[sub] <= bound + _EPS + 1e-9 * bound
             sources, targets = sub[live], sub[live | (sub == S - 1)]
         if objective == "time":
-            mv = _settled_moves(ctx, fam, cap, sources, targets, hsum)
+            kernel = budget is not None and max_sets is None and hasattr(ctx.bm, "time_terms")
+            mv = _settled_moves(ctx, fam, cap, sources, targets, hsum, KERNEL_MOVES if kernel else None)
+            if mv is None:
+                from fxplan.time_kernel import least_overhead_chain  # numba: imported when first needed
+
+                return least_overhead_chain(ctx.bm, fam, budget, _EPS)
         else:
             mv = _priced_moves(ctx, fam, cap, sources, targets)
         psi = None

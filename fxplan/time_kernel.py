@@ -32,7 +32,7 @@ def _member(bits: np.ndarray, s: int, v: int) -> bool:
     return (bits[s, v >> 3] >> (v & 7)) & 1 == 1
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, error_model="numpy", inline="always")
 def _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M, table, log2,
           bytes_max, out_grad, in_grad, transient):
     """(F, bytes of ∂(L_i) still on ∂(L_j)) of the move L_i → L_j (a strict superset), as ``pair_costs``."""

@@ -282,18 +282,18 @@ def _final_cache(cg: CostGraph, plan) -> int:
 
 def _compiled_and_not(cg: CostGraph, budget: int, exact: bool):
     """The time-centric plan at ``budget`` by the compiled DP and by the family engine (BudgetError as a value)."""
-    old = family_dp.KERNEL_MIN_SETS
+    old = family_dp.KERNEL_MOVES
     plans = []
     try:
-        for threshold in (0, math.inf):
-            family_dp.KERNEL_MIN_SETS = threshold
+        for threshold in (-1, math.inf):
+            family_dp.KERNEL_MOVES = threshold
             dp.forget_context(cg)
             try:
                 plans.append(dp.solve(cg, budget, exact=exact))
             except BudgetError as err:
                 plans.append(err.min_feasible_bytes)
     finally:
-        family_dp.KERNEL_MIN_SETS = old
+        family_dp.KERNEL_MOVES = old
     return plans
 
 
