@@ -52,11 +52,16 @@ from fxplan.lowersets import GraphIndex, enumerate_lower_sets, iter_bits
 from fxplan.memory_model import BoundModel, evaluate_chain
 from fxplan.plans import Plan, _fmt_bytes
 
-__all__ = ["DEFAULT_MAX_STATES", "DEFAULT_TIME_LIMIT", "FAMILY_LIMIT", "Context", "context", "min_budget_bytes",
-           "plan_from_chain", "solve", "forget_context"]
+__all__ = ["COMPILED_FAMILY_LIMIT", "DEFAULT_MAX_STATES", "DEFAULT_TIME_LIMIT", "FAMILY_LIMIT", "Context",
+           "context", "min_budget_bytes", "plan_from_chain", "solve", "forget_context"]
 
 FAMILY_LIMIT = 20_000
 """Exact DP uses the family engine up to this many lower sets, the search engine above."""
+
+COMPILED_FAMILY_LIMIT = 1_000_000
+"""Above ``FAMILY_LIMIT``, under a model the compiled kernels of :mod:`fxplan.time_kernel` support (the
+autograd model), the exact DP runs them over all lower sets up to this many (googlenet's 130,121: a few
+seconds; per set about 1 KB of Python lists), the search engine above."""
 
 DEFAULT_TIME_LIMIT = 600.0
 """Seconds after which the exact DP's search engine gives up (FxplanError) unless told otherwise."""
@@ -238,20 +243,42 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
     elif engine != "search":
         limit = max_states if engine == "family" else min(FAMILY_LIMIT, max_states or FAMILY_LIMIT)
         fam = ctx.family(True, limit)
-        if fam is not None:
+        if fam is not None and limit is not None and fam.S > limit:  # held for the compiled kernels
+            fam = None
+        elif fam is not None:
             ctx.move_limit[id(fam)] = None if max_states is None else MOVES_PER_STATE * max_states
-        if fam is None:
+        else:
             if engine == "family":
                 raise _too_big("lower sets", max_states)
             ctx.families.pop("exact")  # too big for this limit; another call may allow more
     if fam is not None:
         found = _family_run(ctx, fam, objective, budget, max_sets)
         return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
+    if engine == "auto" and hasattr(ctx.bm, "time_terms") and (objective != "time" or budget is not None):
+        limit = min(COMPILED_FAMILY_LIMIT, max_states or COMPILED_FAMILY_LIMIT)
+        fam = ctx.family(True, limit)
+        if fam is not None and fam.S <= limit:
+            found = _compiled_run(ctx, fam, objective, budget, time_limit, max_states)
+            return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
+        if fam is None:
+            ctx.families.pop("exact")
     if objective == "peak" and budget is None:
         # bound the search by what the approximate DP achieves; the exact optimum is no larger
         budget = _run(ctx, "peak", None, False, engine, time_limit, max_states)[1][0]
     found = _search_dp(ctx.bm, objective, budget, time_limit, max_states)
     return None if found is None else (found, evaluate_chain(ctx.bm, found)[:3])
+
+
+def _compiled_run(ctx: Context, fam, objective: str, budget: float | None, time_limit: float | None,
+                  max_states: int | None) -> list[int] | None:
+    """The exact DP over all lower sets (``fam``) by the compiled kernels (:mod:`fxplan.time_kernel`): "peak"
+    bounded by the approximate DP's least peak, as the search engine is; "time" and "memory" at a budget."""
+    from fxplan.time_kernel import least_overhead_chain, least_peak_chain  # numba: imported when first needed
+
+    if objective == "peak":
+        cap = _run(ctx, "peak", None, False, "auto", time_limit, max_states)[1][0] if budget is None else budget
+        return least_peak_chain(ctx.bm, fam, cap)
+    return least_overhead_chain(ctx.bm, fam, budget, _EPS, maximize=objective == "memory")
 
 
 def _smallest_budget(ctx: Context, exact: bool, engine: str, time_limit: float | None,

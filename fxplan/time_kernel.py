@@ -65,13 +65,16 @@ def _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, in
 
 @njit(cache=True, error_model="numpy")
 def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, mx_node, oe_ptr, oe_u, oe_w,
-             oe_saver, into, out_of, MB, TA, M, table, log2, bytes_max, out_grad, in_grad, transient, last_free):
+             oe_saver, into, out_of, MB, TA, M, table, log2, bytes_max, out_grad, in_grad, transient, last_free,
+             maximize):
     """Parents of the least-cache plans (module docstring), -1 where a set is unreachable; the last set's
     parent is the plan's last recomputed set. ``by_w``: the sets sorted by ``W``; ``last_free``: the move into
-    the last set (V) is not recomputed. Sources are scanned ∅ first, then by ``W``; the first of least
-    (overhead, cache) is kept. A set that ∅ reaches in one move caches M(∂(L)), the least any plan can, so
-    no other source is scanned for it; nor for the last set once ∅ reaches it (no overhead at all). Sets
-    of more overhead than one already known to end a plan are skipped: overheads grow along a plan."""
+    the last set (V) is not recomputed; ``maximize``: the plan of greatest overhead (the memory-centric
+    strategy's, section 4.4) instead of least. Sources are scanned ∅ first, then by ``W``; the first of
+    least (overhead, cache) is kept. A set that ∅ reaches in one move caches M(∂(L)), the least any plan
+    can, so no other source is scanned for it; nor, for the least overhead, for the last set once ∅ reaches
+    it (no overhead at all), and sets of more overhead than one known to end a plan are skipped: overheads
+    grow along a plan."""
     S = len(size)
     m = np.full(S, np.inf)
     m[0] = 0.0
@@ -80,14 +83,14 @@ def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, 
     bound = np.inf  # the least T(L) of a set L reached so far whose move to V fits: no plan beyond it is better
     for j in range(1, S):
         last = last_free and j == S - 1
-        if not last and TA[j] > bound + eps:
+        if not last and not maximize and TA[j] > bound + eps:
             continue
         best_a, best_m, best_i = np.inf, np.inf, -1
         F, kept = _move(0, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M,
                         table, log2, bytes_max, out_grad, in_grad, transient)
         if F <= budget + eps:
             best_a, best_m, best_i = (0.0 if last else TA[j]), MB[j], 0
-        if best_i < 0:
+        if best_i < 0 or (last and maximize):
             lo_q = np.searchsorted(w_sorted, W[j] - budget - tol)
             hi_q = np.searchsorted(w_sorted, W[j] + tol, side="right")
             for q in range(lo_q, hi_q):
@@ -95,6 +98,8 @@ def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, 
                 if i == 0 or size[i] >= size[j] or m[i] == np.inf or m[i] + (W[j] - W[i]) > budget + eps + tol:
                     continue
                 a = TA[i] if last else TA[j]
+                if maximize and last:
+                    a = -a  # compared as least -overhead
                 # what this move can cache at least (∂(L_i) staying on ∂(L_j) is at most M(∂(L_i)))
                 if a > best_a + eps or (a >= best_a - eps and m[i] - MB[i] + MB[j] >= best_m - eps):
                     continue
@@ -114,7 +119,7 @@ def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, 
                     best_a, best_m, best_i = a, cache, i
         if best_i >= 0:
             m[j], par[j] = best_m, best_i
-            if last_free and not last and TA[j] < bound:
+            if last_free and not last and not maximize and TA[j] < bound:
                 F, _ = _move(j, S - 1, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of,
                              M, table, log2, bytes_max, out_grad, in_grad, transient)
                 if best_m + F <= budget + eps:
@@ -122,24 +127,72 @@ def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, 
     return par
 
 
-def least_overhead_chain(bm, fam: Family, budget: float, eps: float) -> list[int] | None:
-    """The time-centric plan of least overhead within ``budget`` over ``fam`` under the autograd model ``bm``
-    (family indices of L_1..L_k, V last), or None if no plan fits."""
-    ix = bm.ix
-    terms = bm.time_terms(fam)
-    W = fam.sums(np.asarray(bm.lb_weights()[0], dtype=np.float64))
-    oe_ptr, oe_u, oe_w, oe_bd = fam.leaving_edges()
-    saver_pairs, in_rstar = terms["savers"]
-    oe_saver = np.isin(oe_u * ix.n + oe_w, saver_pairs) & ~in_rstar[oe_bd]
-    tau = terms["tau"]
-    n = ix.n
-    log2 = np.r_[0, np.floor(np.log2(np.arange(1, n + 1))).astype(np.int64)]
-    cfg = bm.cfg
-    par = _time_dp(float(budget), eps, 1e-9 * (float(np.abs(W).max()) + 1.0), W,
-                   np.argsort(W, kind="stable"), fam.size, fam.bits, fam.first_out, fam.last_in, fam.mx_ptr,
-                   fam.mx_node, oe_ptr, oe_u, oe_w, oe_saver, terms["into"], terms["out_of"], terms["MB"],
-                   terms["TA"], ix.M_np.astype(np.float64), _sparse_table(tau).reshape(-1), log2, _byte_table(tau),
-                   float(cfg.out_grad), float(cfg.in_grad), float(cfg.transient), fam.sets[-1] == ix.full)
+@njit(cache=True, error_model="numpy")
+def _least_peak(cap, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, mx_node, oe_ptr, oe_u, oe_w, oe_saver,
+                into, out_of, MB, M, table, log2, bytes_max, out_grad, in_grad, transient):
+    """ψ(L) = min over L' ⊋ L of max(F(L, L'), G(L, L') + ψ(L')), ψ(V) = -inf (``fxplan.family_dp._bottleneck``,
+    a single label per set), and each set's next set; only moves with F ≤ ``cap`` (a plan's peak, so no
+    least-peak plan needs more) and below the best found so far (F is at least its additive lower bound
+    ``W``) are priced. inf where no such plan reaches V."""
+    S = len(size)
+    psi = np.full(S, np.inf)
+    psi[S - 1] = -np.inf
+    nxt = np.full(S, -1, dtype=np.int64)
+    w_sorted = W[by_w]
+    for i in range(S - 2, -1, -1):
+        best, best_j = np.inf, -1
+        for q in range(np.searchsorted(w_sorted, W[i] - tol), S):
+            if w_sorted[q] - W[i] > min(cap, best) + tol:
+                break
+            j = by_w[q]
+            if size[j] <= size[i] or psi[j] == np.inf:
+                continue
+            subset = True
+            for t in range(mx_ptr[i], mx_ptr[i + 1]):
+                if not _member(bits, j, mx_node[t]):
+                    subset = False
+                    break
+            if not subset:
+                continue
+            F, kept = _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M,
+                            table, log2, bytes_max, out_grad, in_grad, transient)
+            if F > cap:
+                continue
+            v = max(F, MB[j] - kept + psi[j])
+            if v < best or (v == best and j < best_j):
+                best, best_j = v, j
+        psi[i], nxt[i] = best, best_j
+    return psi, nxt
+
+
+class _Arrays:
+    """The family's and the autograd model's arrays the kernels take, built once per call."""
+
+    def __init__(self, bm, fam: Family):
+        ix, cfg = bm.ix, bm.cfg
+        terms = bm.time_terms(fam)
+        self.W = fam.sums(np.asarray(bm.lb_weights()[0], dtype=np.float64))
+        self.tol = 1e-9 * (float(np.abs(self.W).max()) + 1.0)
+        oe_ptr, oe_u, oe_w, oe_bd = fam.leaving_edges()
+        saver_pairs, in_rstar = terms["savers"]
+        tau = terms["tau"]
+        log2 = np.r_[0, np.floor(np.log2(np.arange(1, ix.n + 1))).astype(np.int64)]
+        self.family = (self.W, np.argsort(self.W, kind="stable"), fam.size, fam.bits, fam.first_out, fam.last_in,
+                       fam.mx_ptr, fam.mx_node, oe_ptr, oe_u, oe_w,
+                       np.isin(oe_u * ix.n + oe_w, saver_pairs) & ~in_rstar[oe_bd], terms["into"], terms["out_of"],
+                       terms["MB"])
+        self.TA = terms["TA"]
+        self.model = (ix.M_np.astype(np.float64), _sparse_table(tau).reshape(-1), log2, _byte_table(tau),
+                      float(cfg.out_grad), float(cfg.in_grad), float(cfg.transient))
+        self.last_free = fam.sets[-1] == ix.full
+
+
+def least_overhead_chain(bm, fam: Family, budget: float, eps: float, maximize: bool = False) -> list[int] | None:
+    """The time-centric plan of least overhead (``maximize``: the memory-centric plan of greatest) within
+    ``budget`` over ``fam`` under the autograd model ``bm`` (family indices of L_1..L_k, V last), or None if
+    no plan fits."""
+    a = _Arrays(bm, fam)
+    par = _time_dp(float(budget), eps, a.tol, *a.family, a.TA, *a.model, a.last_free, maximize)
     if par[-1] < 0:
         return None
     chain, k = [fam.S - 1], fam.S - 1
@@ -147,3 +200,17 @@ def least_overhead_chain(bm, fam: Family, budget: float, eps: float) -> list[int
         k = int(par[k])
         chain.append(k)
     return chain[::-1]
+
+
+def least_peak_chain(bm, fam: Family, cap: float) -> list[int] | None:
+    """A plan of least peak over ``fam`` under the autograd model ``bm`` among those of peak at most ``cap``
+    (family indices of L_1..L_k, V last), or None if none."""
+    a = _Arrays(bm, fam)
+    psi, nxt = _least_peak(float(cap), a.tol, *a.family, *a.model)
+    if not np.isfinite(psi[0]):
+        return None
+    chain, k = [], 0
+    while k != fam.S - 1:
+        k = int(nxt[k])
+        chain.append(k)
+    return chain

@@ -332,3 +332,28 @@ def test_compiled_time_dp_on_a_long_graph_with_skips():
     low, high = dp.min_budget_bytes(cg), dp.solve(cg, None).predicted_peak_bytes
     for f in (0.0, 0.1, 0.3, 0.6, 1.0):
         _assert_same_optimum(cg, int(low + f * (high - low)), exact=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(wider_dags(max_nodes=10), st.floats(1.0, 2.5))
+def test_compiled_exact_dp_equals_the_family_engine(cg, factor):
+    """The exact DP on lattices over FAMILY_LIMIT (forced here) runs the compiled kernels: the family engine's
+    smallest budget, and its time-centric and memory-centric overheads (exhaustive search: tests above)."""
+    want_min = dp.min_budget_bytes(cg, exact=True)
+    budget = int(factor * want_min)
+    want_tc = dp.solve(cg, budget, exact=True)
+    want_mc = dp.solve(cg, None, strategy="memory", exact=True)
+    old = dp.FAMILY_LIMIT
+    dp.FAMILY_LIMIT = 0
+    try:
+        dp.forget_context(cg)
+        assert dp.min_budget_bytes(cg, exact=True) == want_min
+        tc = dp.solve(cg, budget, exact=True)
+        mc = dp.solve(cg, None, strategy="memory", exact=True)
+    finally:
+        dp.FAMILY_LIMIT = old
+    assert tc.overhead == pytest.approx(want_tc.overhead, rel=1e-9, abs=1e-9)
+    assert mc.overhead == pytest.approx(want_mc.overhead, rel=1e-9, abs=1e-9)
+    assert mc.predicted_peak_bytes == want_mc.predicted_peak_bytes == want_min
+    check_plan(cg, tc, budget)
+    check_plan(cg, mc, want_min)
