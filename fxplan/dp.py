@@ -59,9 +59,10 @@ FAMILY_LIMIT = 20_000
 """Exact DP uses the family engine up to this many lower sets, the search engine above."""
 
 COMPILED_FAMILY_LIMIT = 1_000_000
-"""Above ``FAMILY_LIMIT``, under a model the compiled kernels of :mod:`fxplan.time_kernel` support (the
-autograd model), the exact DP runs them over all lower sets up to this many (googlenet's 130,121: a few
-seconds; per set about 1 KB of Python lists), the search engine above."""
+"""Above ``FAMILY_LIMIT``, the exact time-centric DP at a budget under a model the compiled kernel of
+:mod:`fxplan.time_kernel` supports (the autograd model) runs it over all lower sets up to this many
+(googlenet's 130,121: about 2 s; per set about 1 KB of Python lists), the search engine above. Its
+smallest budget and memory-centric plans stay with the search engine."""
 
 DEFAULT_TIME_LIMIT = 600.0
 """Seconds after which the exact DP's search engine gives up (FxplanError) unless told otherwise."""
@@ -254,11 +255,13 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
     if fam is not None:
         found = _family_run(ctx, fam, objective, budget, max_sets)
         return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
-    if engine == "auto" and hasattr(ctx.bm, "time_terms") and (objective != "time" or budget is not None):
+    if engine == "auto" and objective == "time" and budget is not None and hasattr(ctx.bm, "time_terms"):
         limit = min(COMPILED_FAMILY_LIMIT, max_states or COMPILED_FAMILY_LIMIT)
         fam = ctx.family(True, limit)
         if fam is not None and fam.S <= limit:
-            found = _compiled_run(ctx, fam, objective, budget, time_limit, max_states)
+            from fxplan.time_kernel import least_overhead_chain  # numba: imported when first needed
+
+            found = least_overhead_chain(ctx.bm, fam, budget, _EPS, time_limit)
             return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
         if fam is None:
             ctx.families.pop("exact")
@@ -267,18 +270,6 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
         budget = _run(ctx, "peak", None, False, engine, time_limit, max_states)[1][0]
     found = _search_dp(ctx.bm, objective, budget, time_limit, max_states)
     return None if found is None else (found, evaluate_chain(ctx.bm, found)[:3])
-
-
-def _compiled_run(ctx: Context, fam, objective: str, budget: float | None, time_limit: float | None,
-                  max_states: int | None) -> list[int] | None:
-    """The exact DP over all lower sets (``fam``) by the compiled kernels (:mod:`fxplan.time_kernel`): "peak"
-    bounded by the approximate DP's least peak, as the search engine is; "time" and "memory" at a budget."""
-    from fxplan.time_kernel import least_overhead_chain, least_peak_chain  # numba: imported when first needed
-
-    if objective == "peak":
-        cap = _run(ctx, "peak", None, False, "auto", time_limit, max_states)[1][0] if budget is None else budget
-        return least_peak_chain(ctx.bm, fam, cap)
-    return least_overhead_chain(ctx.bm, fam, budget, _EPS, maximize=objective == "memory")
 
 
 def _smallest_budget(ctx: Context, exact: bool, engine: str, time_limit: float | None,

@@ -21,10 +21,16 @@ per move. A source L is examined for L' only if its additive lower bound fits (`
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from numba import njit
 
+from fxplan.errors import FxplanError
 from fxplan.family import Family, _byte_table, _sparse_table
+
+CHUNK = 4096
+"""Sets planned per compiled call; the time limit is checked between calls."""
 
 
 @njit(cache=True, error_model="numpy", inline="always")
@@ -66,31 +72,27 @@ def _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, in
 @njit(cache=True, error_model="numpy")
 def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, mx_node, oe_ptr, oe_u, oe_w,
              oe_saver, into, out_of, MB, TA, M, table, log2, bytes_max, out_grad, in_grad, transient, last_free,
-             maximize):
+             j_lo, j_hi, m, par, bound):
     """Parents of the least-cache plans (module docstring), -1 where a set is unreachable; the last set's
     parent is the plan's last recomputed set. ``by_w``: the sets sorted by ``W``; ``last_free``: the move into
-    the last set (V) is not recomputed; ``maximize``: the plan of greatest overhead (the memory-centric
-    strategy's, section 4.4) instead of least. Sources are scanned ∅ first, then by ``W``; the first of
-    least (overhead, cache) is kept. A set that ∅ reaches in one move caches M(∂(L)), the least any plan
-    can, so no other source is scanned for it; nor, for the least overhead, for the last set once ∅ reaches
-    it (no overhead at all), and sets of more overhead than one known to end a plan are skipped: overheads
-    grow along a plan."""
+    the last set (V) is not recomputed. Sources are scanned ∅ first, then by ``W``; the first of least
+    (overhead, cache) is kept. A set that ∅ reaches in one move caches M(∂(L)), the least any plan can, so
+    no other source is scanned for it; nor for the last set once ∅ reaches it (no overhead at all). Sets
+    of more overhead than one known to end a plan (``bound[0]``) are skipped: overheads grow along a plan.
+    Fills ``m`` (least cache) and ``par`` for the sets ``j_lo`` .. ``j_hi`` - 1, so that a caller can stop
+    between calls."""
     S = len(size)
-    m = np.full(S, np.inf)
-    m[0] = 0.0
-    par = np.full(S, -1, dtype=np.int64)
     w_sorted = W[by_w]
-    bound = np.inf  # the least T(L) of a set L reached so far whose move to V fits: no plan beyond it is better
-    for j in range(1, S):
+    for j in range(j_lo, j_hi):
         last = last_free and j == S - 1
-        if not last and not maximize and TA[j] > bound + eps:
+        if not last and TA[j] > bound[0] + eps:
             continue
         best_a, best_m, best_i = np.inf, np.inf, -1
         F, kept = _move(0, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M,
                         table, log2, bytes_max, out_grad, in_grad, transient)
         if F <= budget + eps:
             best_a, best_m, best_i = (0.0 if last else TA[j]), MB[j], 0
-        if best_i < 0 or (last and maximize):
+        if best_i < 0:
             lo_q = np.searchsorted(w_sorted, W[j] - budget - tol)
             hi_q = np.searchsorted(w_sorted, W[j] + tol, side="right")
             for q in range(lo_q, hi_q):
@@ -98,8 +100,6 @@ def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, 
                 if i == 0 or size[i] >= size[j] or m[i] == np.inf or m[i] + (W[j] - W[i]) > budget + eps + tol:
                     continue
                 a = TA[i] if last else TA[j]
-                if maximize and last:
-                    a = -a  # compared as least -overhead
                 # what this move can cache at least (∂(L_i) staying on ∂(L_j) is at most M(∂(L_i)))
                 if a > best_a + eps or (a >= best_a - eps and m[i] - MB[i] + MB[j] >= best_m - eps):
                     continue
@@ -119,50 +119,11 @@ def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, 
                     best_a, best_m, best_i = a, cache, i
         if best_i >= 0:
             m[j], par[j] = best_m, best_i
-            if last_free and not last and not maximize and TA[j] < bound:
+            if last_free and not last and TA[j] < bound[0]:
                 F, _ = _move(j, S - 1, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of,
                              M, table, log2, bytes_max, out_grad, in_grad, transient)
                 if best_m + F <= budget + eps:
-                    bound = TA[j]
-    return par
-
-
-@njit(cache=True, error_model="numpy")
-def _least_peak(cap, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, mx_node, oe_ptr, oe_u, oe_w, oe_saver,
-                into, out_of, MB, M, table, log2, bytes_max, out_grad, in_grad, transient):
-    """ψ(L) = min over L' ⊋ L of max(F(L, L'), G(L, L') + ψ(L')), ψ(V) = -inf (``fxplan.family_dp._bottleneck``,
-    a single label per set), and each set's next set; only moves with F ≤ ``cap`` (a plan's peak, so no
-    least-peak plan needs more) and below the best found so far (F is at least its additive lower bound
-    ``W``) are priced. inf where no such plan reaches V."""
-    S = len(size)
-    psi = np.full(S, np.inf)
-    psi[S - 1] = -np.inf
-    nxt = np.full(S, -1, dtype=np.int64)
-    w_sorted = W[by_w]
-    for i in range(S - 2, -1, -1):
-        best, best_j = np.inf, -1
-        for q in range(np.searchsorted(w_sorted, W[i] - tol), S):
-            if w_sorted[q] - W[i] > min(cap, best) + tol:
-                break
-            j = by_w[q]
-            if size[j] <= size[i] or psi[j] == np.inf:
-                continue
-            subset = True
-            for t in range(mx_ptr[i], mx_ptr[i + 1]):
-                if not _member(bits, j, mx_node[t]):
-                    subset = False
-                    break
-            if not subset:
-                continue
-            F, kept = _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M,
-                            table, log2, bytes_max, out_grad, in_grad, transient)
-            if F > cap:
-                continue
-            v = max(F, MB[j] - kept + psi[j])
-            if v < best or (v == best and j < best_j):
-                best, best_j = v, j
-        psi[i], nxt[i] = best, best_j
-    return psi, nxt
+                    bound[0] = TA[j]
 
 
 class _Arrays:
@@ -187,12 +148,23 @@ class _Arrays:
         self.last_free = fam.sets[-1] == ix.full
 
 
-def least_overhead_chain(bm, fam: Family, budget: float, eps: float, maximize: bool = False) -> list[int] | None:
-    """The time-centric plan of least overhead (``maximize``: the memory-centric plan of greatest) within
-    ``budget`` over ``fam`` under the autograd model ``bm`` (family indices of L_1..L_k, V last), or None if
-    no plan fits."""
+def least_overhead_chain(bm, fam: Family, budget: float, eps: float, time_limit: float | None = None
+                         ) -> list[int] | None:
+    """The time-centric plan of least overhead within ``budget`` over ``fam`` under the autograd model ``bm``
+    (family indices of L_1..L_k, V last), or None if no plan fits. Stops with an :class:`FxplanError` after
+    ``time_limit`` seconds (None: never)."""
+    t0 = time.perf_counter()
     a = _Arrays(bm, fam)
-    par = _time_dp(float(budget), eps, a.tol, *a.family, a.TA, *a.model, a.last_free, maximize)
+    m = np.full(fam.S, np.inf)
+    m[0] = 0.0
+    par = np.full(fam.S, -1, dtype=np.int64)
+    bound = np.full(1, np.inf)  # the least T(L) of a set L reached so far whose move to V fits
+    for j_lo in range(1, fam.S, CHUNK):
+        if time_limit is not None and time.perf_counter() - t0 > time_limit:
+            raise FxplanError(f"exact DP stopped after {time_limit:.0f} s ({j_lo:,} of {fam.S:,} lower sets done); "
+                              "use the approximate DP (exact=False) or a larger time_limit")
+        _time_dp(float(budget), eps, a.tol, *a.family, a.TA, *a.model, a.last_free, j_lo, min(j_lo + CHUNK, fam.S),
+                 m, par, bound)
     if par[-1] < 0:
         return None
     chain, k = [fam.S - 1], fam.S - 1
@@ -200,17 +172,3 @@ def least_overhead_chain(bm, fam: Family, budget: float, eps: float, maximize: b
         k = int(par[k])
         chain.append(k)
     return chain[::-1]
-
-
-def least_peak_chain(bm, fam: Family, cap: float) -> list[int] | None:
-    """A plan of least peak over ``fam`` under the autograd model ``bm`` among those of peak at most ``cap``
-    (family indices of L_1..L_k, V last), or None if none."""
-    a = _Arrays(bm, fam)
-    psi, nxt = _least_peak(float(cap), a.tol, *a.family, *a.model)
-    if not np.isfinite(psi[0]):
-        return None
-    chain, k = [], 0
-    while k != fam.S - 1:
-        k = int(nxt[k])
-        chain.append(k)
-    return chain

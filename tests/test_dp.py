@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_dp import reference_solve
 
-from fxplan import dp, family_dp
+from fxplan import dp, family_dp, time_kernel
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.family import Family
@@ -337,23 +337,36 @@ def test_compiled_time_dp_on_a_long_graph_with_skips():
 @settings(max_examples=40, deadline=None)
 @given(wider_dags(max_nodes=10), st.floats(1.0, 2.5))
 def test_compiled_exact_dp_equals_the_family_engine(cg, factor):
-    """The exact DP on lattices over FAMILY_LIMIT (forced here) runs the compiled kernels: the family engine's
-    smallest budget, and its time-centric and memory-centric overheads (exhaustive search: tests above)."""
-    want_min = dp.min_budget_bytes(cg, exact=True)
-    budget = int(factor * want_min)
-    want_tc = dp.solve(cg, budget, exact=True)
-    want_mc = dp.solve(cg, None, strategy="memory", exact=True)
+    """The exact time-centric DP on lattices over FAMILY_LIMIT (forced here) runs the compiled kernel: the
+    family engine's overhead (exhaustive search: tests above), and the same refusal where nothing fits."""
+    budget = int(factor * dp.min_budget_bytes(cg, exact=True))
+    want = dp.solve(cg, budget, exact=True)
     old = dp.FAMILY_LIMIT
     dp.FAMILY_LIMIT = 0
     try:
         dp.forget_context(cg)
-        assert dp.min_budget_bytes(cg, exact=True) == want_min
-        tc = dp.solve(cg, budget, exact=True)
-        mc = dp.solve(cg, None, strategy="memory", exact=True)
+        got = dp.solve(cg, budget, exact=True)
+        with pytest.raises(BudgetError):
+            dp.solve(cg, dp.min_budget_bytes(cg, exact=True) - 1, exact=True)
     finally:
         dp.FAMILY_LIMIT = old
-    assert tc.overhead == pytest.approx(want_tc.overhead, rel=1e-9, abs=1e-9)
-    assert mc.overhead == pytest.approx(want_mc.overhead, rel=1e-9, abs=1e-9)
-    assert mc.predicted_peak_bytes == want_mc.predicted_peak_bytes == want_min
-    check_plan(cg, tc, budget)
-    check_plan(cg, mc, want_min)
+    assert got.overhead == pytest.approx(want.overhead, rel=1e-9, abs=1e-9)
+    check_plan(cg, got, budget)
+
+
+def test_compiled_exact_dp_honours_its_time_limit():
+    """The compiled kernel plans CHUNK sets per call and checks the time limit between calls."""
+    nodes = ["src"] + [f"c{i}_{j}" for i in range(4) for j in range(8)] + ["sink"]
+    edges = [("src", f"c{i}_0") for i in range(4)] + [(f"c{i}_7", "sink") for i in range(4)]
+    edges += [(f"c{i}_{j}", f"c{i}_{j + 1}") for i in range(4) for j in range(7)]
+    cg = CostGraph.from_edges(nodes, edges, dict.fromkeys(nodes, 1), dict.fromkeys(nodes, 8))
+    budget = dp.solve(cg, None).predicted_peak_bytes // 2
+    old = dp.FAMILY_LIMIT, time_kernel.CHUNK
+    dp.FAMILY_LIMIT, time_kernel.CHUNK = 0, 64
+    try:
+        with pytest.raises(FxplanError, match="stopped after"):
+            dp.solve(cg, budget, exact=True, time_limit=0.0)
+        assert dp.solve(cg, budget, exact=True).overhead == pytest.approx(
+            dp.solve(cg, budget, exact=True, engine="family").overhead)
+    finally:
+        dp.FAMILY_LIMIT, time_kernel.CHUNK = old
