@@ -29,10 +29,15 @@ Two engines:
   :meth:`BoundModel.pair_costs`); the forward DP fills each set's front from all states of its sources in
   one vectorised step. Without a budget ("peak", or "time" with a large one) it runs coarse to fine: a
   sub-family's plan bounds the optimum and so the moves and states the next pass needs.
-* the *search* engine (exact DP on big lattices such as googlenet's ~280,000 lower sets) never forms pairs:
+* the *search* engine (exact DP on big lattices such as googlenet's 130,121 lower sets) never forms pairs:
   from each reached lower set it enumerates only the supersets whose new segment can fit the budget, by a
   depth-first search that grows the segment and stops as soon as a lower bound on its cost (monotone in the
   segment) exceeds the budget.
+
+Under the autograd model a time-centric plan's overhead is the forward time of its last recomputed set, so
+the time-centric DP at a budget needs one state per set: :mod:`fxplan.time_kernel` runs it compiled, for the
+family engine where it would list many moves (``family_dp.KERNEL_MOVES``) and for the exact DP on lattices
+between ``FAMILY_LIMIT`` and ``COMPILED_FAMILY_LIMIT`` sets.
 
 Both exact engines stop with an :class:`FxplanError` (use the approximate DP) beyond ``max_states`` lower
 sets, states or moves, and the search engine after ``time_limit`` seconds.
