@@ -23,10 +23,12 @@ shapes, other keyword arguments) runs the original ``forward`` instead, which is
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -382,9 +384,35 @@ class _UnsupportedOutput(Exception):
         self.type_name = type_name
 
 
+@contextlib.contextmanager
+def _masks_as_in_eager() -> Iterator[None]:
+    """Hugging Face's attention-mask helpers as they run in eager mode, while exporting.
+
+    Eager, ``transformers.masking_utils`` skips a causal mask that its shapes alone make redundant, and the
+    attention then calls ``scaled_dot_product_attention`` with ``is_causal=True`` and, for grouped-query
+    attention, ``enable_gqa=True``; under ``torch.export`` it never skips, and the graph holds an explicit mask
+    and key/value heads repeated before the call: the same values forward, but gradients summed in another
+    order, which differ in the last bits on some CPUs (an AMD EPYC here; not on the Intel Xeon of earlier
+    runs). The skip stays off wherever a padding mask is given (its values are not known while tracing:
+    ``is_tracing`` sees to that), so the decision depends only on shapes, on which the graph specialises
+    anyway. Nothing changes if transformers is not loaded.
+    """
+    masking = sys.modules.get("transformers.masking_utils")
+    held = getattr(masking, "is_torchdynamo_exporting", None)
+    if held is None:
+        yield
+        return
+    masking.is_torchdynamo_exporting = lambda: False
+    try:
+        yield
+    finally:
+        masking.is_torchdynamo_exporting = held
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     try:
-        return torch.export.export(model, args, kwargs, strict=False)
+        with _masks_as_in_eager():
+            return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "not capturable"
         message = str(exc)
         if "in output, which is not a known type" in message:

@@ -416,7 +416,8 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
     DP's time-centric plan at its smallest budget and memory-centric plan (where its family of lower
     sets differs from this solver's; otherwise its plans are this solver's). They join the candidates so
     that the smallest measured peak a DP solver reports is at most every planner's smallest plan's, whichever
-    solver was asked for (issue 12, point 1). ``solver="chen"`` stays the paper's baseline: none.
+    solver was asked for (issue 12, point 1); where the other DP refuses (the exact DP over more moves
+    than its cap), without its plans. ``solver="chen"`` stays the paper's baseline: none.
     """
     if solver == "chen":
         return []
@@ -424,9 +425,12 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
     plans = _chen_plans(cg, model)
     other = "exact" if solver == "approx" else "approx"
     if lower_sets != pruned and (other == "approx" or lower_sets is not None):
-        lo = min_budget_bytes_graph(cg, model, solver=other, memory_model=SWEEP)
-        plans += [plan_graph(cg, model, lo, strategy="time", solver=other, memory_model=SWEEP),
-                  plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP)]
+        try:
+            lo = min_budget_bytes_graph(cg, model, solver=other, memory_model=SWEEP)
+            plans += [plan_graph(cg, model, lo, strategy="time", solver=other, memory_model=SWEEP),
+                      plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP)]
+        except FxplanError as exc:  # the exact DP's caps (moves, time): its plans are extras, not the answer
+            logger.info("fxplan: no %s DP floor plans: %s", other, exc)
     return plans
 
 
