@@ -66,8 +66,8 @@ FAMILY_LIMIT = 20_000
 COMPILED_FAMILY_LIMIT = 1_000_000
 """Above ``FAMILY_LIMIT``, the exact time-centric DP at a budget under a model the compiled kernel of
 :mod:`fxplan.time_kernel` supports (the autograd model) runs it over all lower sets up to this many
-(googlenet's 130,121: about 2 s; per set about 1 KB of Python lists), the search engine above. Its
-smallest budget and memory-centric plans stay with the search engine."""
+(googlenet's 130,121: about 3 s, enumeration included; per set about 1 KB of Python lists), the search
+engine above. Its smallest budget and memory-centric plans stay with the search engine."""
 
 DEFAULT_TIME_LIMIT = 600.0
 """Seconds after which the exact DP's search engine gives up (FxplanError) unless told otherwise."""

@@ -28,14 +28,10 @@ from numba import njit
 
 from fxplan.errors import FxplanError
 from fxplan.family import Family, _byte_table, _sparse_table
+from fxplan.sweep_kernel import _member
 
 CHUNK = 4096
 """Sets planned per compiled call; the time limit is checked between calls."""
-
-
-@njit(cache=True, error_model="numpy", inline="always")
-def _member(bits: np.ndarray, s: int, v: int) -> bool:
-    return (bits[s, v >> 3] >> (v & 7)) & 1 == 1
 
 
 @njit(cache=True, error_model="numpy", inline="always")
