@@ -266,7 +266,7 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
         if fam is not None and fam.S <= limit:
             from fxplan.time_kernel import least_overhead_chain  # numba: imported when first needed
 
-            found = least_overhead_chain(ctx.bm, fam, budget, _EPS, time_limit)
+            found = least_overhead_chain(ctx, fam, budget, _EPS, time_limit)
             return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
         if fam is None:
             ctx.families.pop("exact")

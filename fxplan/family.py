@@ -160,20 +160,15 @@ class Family:
         range a sparse-table range maximum answers at once, elsewhere the packed rows are scanned byte by
         byte through a table of the maximum over each byte pattern.
         """
-        key = ("max", id(vals))
-        if key not in self.cache:
-            self.cache[key] = (vals, _sparse_table(vals).reshape(-1), _byte_table(vals))
-        _, table, bytes_max = self.cache[key]
+        table, log2, bytes_max = self.range_max_tables(vals)
         n = len(vals)
         lo, hi = self.first_out[pi], self.last_in[pj]
         out = np.empty(len(pi))
         full = (self.size[pj] - self.size[pi]) == hi - lo + 1
         f = np.flatnonzero(full)
         if f.size:
-            if "log2" not in self.cache:
-                self.cache["log2"] = np.r_[0, np.floor(np.log2(np.arange(1, n + 1))).astype(np.int64)]
             lf, hf = lo[f], hi[f]
-            k = self.cache["log2"][hf - lf + 1]
+            k = log2[hf - lf + 1]
             out[f] = np.maximum(table[k * n + lf], table[k * n + hf - (1 << k) + 1])
         r = np.flatnonzero(~full)
         if r.size:
@@ -185,6 +180,17 @@ class Family:
             pat = self.bits[pj[r][rep], byte] & ~self.bits[pi[r][rep], byte]
             out[r] = np.maximum.reduceat(bytes_max[byte, pat], ptr[:-1])
         return out
+
+    def range_max_tables(self, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What :meth:`max_new` answers with, kept per ``vals`` array: its sparse table (flattened, level-major),
+        ⌊log2⌋ of every range length, and the maximum over each byte pattern of each byte of nodes."""
+        key = ("max", id(vals))
+        if key not in self.cache:
+            self.cache[key] = (vals, _sparse_table(vals).reshape(-1), _byte_table(vals))
+        if "log2" not in self.cache:
+            self.cache["log2"] = np.r_[0, np.floor(np.log2(np.arange(1, len(vals) + 1))).astype(np.int64)]
+        _, table, bytes_max = self.cache[key]
+        return table, self.cache["log2"], bytes_max
 
     # -- moves -------------------------------------------------------------------------------------------------
     def subset(self, pi: np.ndarray, pj: np.ndarray) -> np.ndarray:
@@ -296,12 +302,17 @@ class Family:
         read = np.logical_or.reduceat(inside, starts)
         saved = None
         if saver_pairs is not None:
-            key = ("saver_edges", id(saver_pairs))
-            if key not in self.cache:  # per leaving edge: w saves u, and u is not saved inside the set yet
-                keys = oe_u * n + oe_w
-                self.cache[key] = (saver_pairs, np.isin(keys, saver_pairs) & ~in_rstar[oe_bd])
-            saved = np.logical_or.reduceat(inside & self.cache[key][1][flat], starts)
+            saved = np.logical_or.reduceat(inside & self.leaving_edges_saved(saver_pairs, in_rstar)[flat], starts)
         return rep[starts], u[starts], stays, read, saved
+
+    def leaving_edges_saved(self, saver_pairs: np.ndarray, in_rstar: np.ndarray) -> np.ndarray:
+        """Per leaving edge u → w (:meth:`leaving_edges`): w saves u (``saver_pairs``: sorted keys u·n + w)
+        and u is not saved inside its set yet (``in_rstar``, per boundary entry); kept per ``saver_pairs``."""
+        key = ("saver_edges", id(saver_pairs))
+        if key not in self.cache:
+            _, oe_u, oe_w, oe_bd = self.leaving_edges()
+            self.cache[key] = (saver_pairs, np.isin(oe_u * self.ix.n + oe_w, saver_pairs) & ~in_rstar[oe_bd])
+        return self.cache[key][1]
 
     @property
     def outdeg(self) -> np.ndarray:

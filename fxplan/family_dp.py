@@ -455,7 +455,7 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
             if mv is None:
                 from fxplan.time_kernel import least_overhead_chain  # numba: imported when first needed
 
-                return least_overhead_chain(ctx.bm, fam, budget, _EPS)
+                return least_overhead_chain(ctx, fam, budget, _EPS)
         else:
             mv = _priced_moves(ctx, fam, cap, sources, targets)
         psi = None

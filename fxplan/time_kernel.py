@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit
 
 from fxplan.errors import FxplanError
-from fxplan.family import Family, _byte_table, _sparse_table
+from fxplan.family import Family
 from fxplan.sweep_kernel import _member
 
 CHUNK = 4096
@@ -123,34 +123,35 @@ def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, 
 
 
 class _Arrays:
-    """The family's and the autograd model's arrays the kernels take, built once per call."""
+    """The family's and the autograd model's arrays the kernel takes, from what the planning context and the
+    family keep (the lower-bound sums moves are listed by, range-maximum tables, saver flags)."""
 
-    def __init__(self, bm, fam: Family):
+    def __init__(self, ctx, fam: Family):
+        from fxplan.family_dp import _lb_sums  # family_dp imports this module when it first needs it
+
+        bm = ctx.bm
         ix, cfg = bm.ix, bm.cfg
         terms = bm.time_terms(fam)
-        self.W = fam.sums(np.asarray(bm.lb_weights()[0], dtype=np.float64))
+        self.W = _lb_sums(ctx, fam)
         self.tol = 1e-9 * (float(np.abs(self.W).max()) + 1.0)
-        oe_ptr, oe_u, oe_w, oe_bd = fam.leaving_edges()
-        saver_pairs, in_rstar = terms["savers"]
-        tau = terms["tau"]
-        log2 = np.r_[0, np.floor(np.log2(np.arange(1, ix.n + 1))).astype(np.int64)]
+        oe_ptr, oe_u, oe_w, _ = fam.leaving_edges()
+        table, log2, bytes_max = fam.range_max_tables(terms["tau"])
         self.family = (self.W, np.argsort(self.W, kind="stable"), fam.size, fam.bits, fam.first_out, fam.last_in,
-                       fam.mx_ptr, fam.mx_node, oe_ptr, oe_u, oe_w,
-                       np.isin(oe_u * ix.n + oe_w, saver_pairs) & ~in_rstar[oe_bd], terms["into"], terms["out_of"],
-                       terms["MB"])
+                       fam.mx_ptr, fam.mx_node, oe_ptr, oe_u, oe_w, fam.leaving_edges_saved(*terms["savers"]),
+                       terms["into"], terms["out_of"], terms["MB"])
         self.TA = terms["TA"]
-        self.model = (ix.M_np.astype(np.float64), _sparse_table(tau).reshape(-1), log2, _byte_table(tau),
-                      float(cfg.out_grad), float(cfg.in_grad), float(cfg.transient))
+        self.model = (ix.M_np.astype(np.float64), table, log2, bytes_max, float(cfg.out_grad), float(cfg.in_grad),
+                      float(cfg.transient))
         self.last_free = fam.sets[-1] == ix.full
 
 
-def least_overhead_chain(bm, fam: Family, budget: float, eps: float, time_limit: float | None = None
+def least_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit: float | None = None
                          ) -> list[int] | None:
-    """The time-centric plan of least overhead within ``budget`` over ``fam`` under the autograd model ``bm``
-    (family indices of L_1..L_k, V last), or None if no plan fits. Stops with an :class:`FxplanError` after
-    ``time_limit`` seconds (None: never)."""
+    """The time-centric plan of least overhead within ``budget`` over ``fam`` under the planning context
+    ``ctx``'s autograd model (family indices of L_1..L_k, V last), or None if no plan fits. Stops with an
+    :class:`FxplanError` after ``time_limit`` seconds (None: never)."""
     t0 = time.perf_counter()
-    a = _Arrays(bm, fam)
+    a = _Arrays(ctx, fam)
     m = np.full(fam.S, np.inf)
     m[0] = 0.0
     par = np.full(fam.S, -1, dtype=np.int64)
