@@ -30,6 +30,11 @@ predicts a gain (``RELATIVE_TOLERANCE``), and until ``PATIENCE`` in a row have n
 best, at most ``MEASUREMENTS`` measurements per starting plan (fewer on large graphs), so planning time
 stays bounded on graphs with many segments.
 
+Where the replay has predicted every plan measured so far to within ``fxplan.search.TRUST``, the search
+trusts it (``trusted``): moves are ranked by their replayed peaks alone, with the same rules and counts,
+and none is measured; the caller measures the plan it takes (:meth:`fxplan.search.Search.lowest`). Each
+measurement is a fake step of a rewritten module and its code generation; a replay is a fraction of one.
+
 Once the lowest plan (peak P) is found, :meth:`NestedSearch.cheapen` undoes the moves that P does not
 need (at most ``CHEAPEN`` measurements), and every nested plan measured is kept with its peak and
 recompute fraction, so the planner returns the least recomputation among those that fit
@@ -114,7 +119,8 @@ def measurement_budget(nodes: int) -> int:
 
 @dataclass
 class NestedResult:
-    """The best nested plan found: its blocks, measured peak, generated code and recompute fraction."""
+    """The best nested plan found: its blocks, measured peak, generated code and recompute fraction (``code``
+    None: ``measured`` is the replayed peak of a search that trusts the replay, not a measurement)."""
 
     blocks: list[Block]
     measured: int
@@ -125,7 +131,7 @@ class NestedResult:
         """``base`` with this result's segments, sub-plans (as ``children``), recomputation and measured peak."""
         return replace(_as_plan(cg, self.blocks, base, set()), recompute_fraction=self.recompute_fraction,
                        strategy=f"{base.strategy}+nested", predicted_peak_bytes=self.measured,
-                       measured_peak_bytes=self.measured)
+                       measured_peak_bytes=None if self.code is None else self.measured)
 
 
 def _as_plan(cg: CostGraph, blocks: list[Block], base: Plan, before: set[str]) -> Plan:
@@ -223,23 +229,27 @@ def _simpler(blocks: list[Block]) -> Iterator[list[Block]]:
 
 @dataclass
 class Measured:
-    """A nested plan the search measured: its blocks, measured peak and recompute fraction."""
+    """A nested plan the search measured: its blocks, measured peak (replayed where the search trusts the
+    replay, ``code`` None) and recompute fraction."""
 
     blocks: list[Block]
     measured: int
     recompute_fraction: float
     seed: Plan | None
-    code: str
+    code: str | None
 
 
 class NestedSearch:
     """Local search over nested plans from a canonical plan (module docstring)."""
 
     def __init__(self, cg: CostGraph, meter: PlanMeter, max_measurements: int | None = None,
-                 replayed: Callable[[list[Block]], int] | None = None):
+                 replayed: Callable[[list[Block]], int] | None = None, trusted: bool = False):
         self.cg, self.meter = cg, meter
         #: the predicted peak of a tree (:func:`fxplan.replay.replay`); None: every tree is measured
         self.replayed = replayed
+        #: rank trees by their replayed peaks instead of measuring them (module docstring): every peak this
+        #: search reports is then a replayed one, and its results carry no code
+        self.trusted = trusted and replayed is not None
         self._sub_plans: dict[tuple[str, ...], list[list[list[str]]]] = {}
         self.max_measurements = (measurement_budget(cg.number_of_nodes()) if max_measurements is None
                                  else max_measurements)
@@ -254,11 +264,15 @@ class NestedSearch:
         budget search starts a group per solver)."""
         self.total_left = SEEDS_MEASUREMENTS * self.max_measurements
 
-    def measure(self, blocks: list[Block]) -> tuple[int, str] | None:
-        """The measured peak and generated code of a tree (None if the rewriter rejects it)."""
+    def measure(self, blocks: list[Block]) -> tuple[int, str | None] | None:
+        """The measured peak and generated code of a tree (None if the rewriter rejects it); its replayed
+        peak and no code where the search trusts the replay."""
         self.measurements_left -= 1
         self.total_left -= 1
-        got = self.meter.measure([b.names for b in blocks], subplans.as_children(blocks))
+        if self.trusted:
+            got = self.replayed(blocks), None
+        else:
+            got = self.meter.measure([b.names for b in blocks], subplans.as_children(blocks))
         if got is not None and subplans.depth(blocks) > 1:
             self.measured.append(Measured(blocks, got[0], recompute_fraction(self.cg, blocks), self._seed, got[1]))
         return got
@@ -358,7 +372,7 @@ class NestedSearch:
         order = sorted(range(len(base.segments)), key=lambda i: -segment_peaks[i]) if segment_peaks else []
         rank = {v: r for r, i in enumerate(order) for v in base.segments[i]}
         best_blocks = [Block(list(s)) for s in base.segments]
-        best, code = base_measured, None
+        best, code, lowered = base_measured, None, False
         best_replayed = self._replayed(best_blocks)
         for _ in range(ROUNDS):
             round_best, idle = None, 0  # (measured, code, tree, replayed)
@@ -378,7 +392,9 @@ class NestedSearch:
             if round_best is None or round_best[0] > best * (1 - MIN_GAIN):
                 break
             best, code, best_blocks, best_replayed = round_best
-            logger.debug("nested: measured peak %d bytes, %d measurements left", best, self.measurements_left)
-        if code is None:
+            lowered = True
+            logger.debug("nested: %s peak %d bytes, %d measurements left", "replayed" if self.trusted else "measured",
+                         best, self.measurements_left)
+        if not lowered:
             return None
         return NestedResult(best_blocks, best, code, recompute_fraction(self.cg, best_blocks))
