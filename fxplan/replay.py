@@ -198,11 +198,58 @@ def replay_blocks(cg: CostGraph, sm: StepModel, blocks: list[Block]) -> Replay:
     return _Replayer(cg, sm, blocks).run()
 
 
+@dataclass
+class _Facts:
+    """What a replay reads of the cost graph, per node, kept as plain dicts (:func:`_facts`): data-edge
+    ``preds`` and ``succs``, output bytes ``M``, the forward and backward temporaries, ``kind``, what
+    autograd keeps for its backward (``keeps``: the node itself and its inputs, ``saved``: extra bytes)
+    and whether that is anything at all (``saves``), and the nodes in program order."""
+
+    preds: dict[str, list[str]]
+    succs: dict[str, list[str]]
+    M: dict[str, int]
+    forward_rise: dict[str, int]
+    backward_rise: dict[str, int]
+    kind: dict[str, str | None]
+    keeps: dict[str, list[str]]
+    saved: dict[str, int]
+    saves: dict[str, bool]
+    saves_output: dict[str, bool]
+    program: list[str]
+
+
+def _facts(cg: CostGraph) -> _Facts:
+    """The :class:`_Facts` of ``cg``, kept on the graph (a search replays hundreds of plans of one graph)."""
+    key = (cg.number_of_nodes(), cg.number_of_edges())
+    held = cg.__dict__.get("_fxplan_replay_facts")
+    if held is not None and held[0] == key:
+        return held[1]
+    program = list(cg.nodes)
+    preds: dict[str, list[str]] = {v: [] for v in program}
+    succs: dict[str, list[str]] = {v: [] for v in program}
+    for u, w, only in cg.edges(data="order_only"):
+        if not only:
+            preds[w].append(u)
+            succs[u].append(w)
+    nodes = cg.nodes
+    facts = _Facts(
+        preds, succs, {v: int(nodes[v]["M"]) for v in program},
+        {v: nodes[v].get("forward_rise", 0) for v in program}, {v: nodes[v].get("backward_rise", 0) for v in program},
+        {v: nodes[v].get("kind") for v in program},
+        {v: ([v] if nodes[v].get("saves_output", False) else []) + list(nodes[v].get("saved_inputs", preds[v]))
+         for v in program},
+        {v: int(nodes[v].get("saved", 0) or 0) for v in program}, {v: _saves(nodes[v]) for v in program},
+        {v: bool(nodes[v].get("saves_output")) for v in program}, program)
+    cg.__dict__["_fxplan_replay_facts"] = (key, facts)
+    return facts
+
+
 class _Replayer:
     """One replay: live storages with their holders; a storage is freed when its last holder lets go."""
 
     def __init__(self, cg: CostGraph, sm: StepModel, blocks: list[Block]):
         self.cg, self.sm, self.blocks = cg, sm, blocks
+        self.facts = facts = _facts(cg)
         self.segments = subplans.leaves(blocks)  # the innermost segments, in execution order
         self.k = len(self.segments)
         self.seg = {v: i for i, names in enumerate(self.segments) for v in names}
@@ -211,14 +258,9 @@ class _Replayer:
         # per leaf: the position of the last node of its ancestor at each depth (the leaf itself last)
         self.ends: list[list[int]] = []
         self._walk(blocks, [])
-        data = [(u, w) for u, w, only in cg.edges(data="order_only") if not only]
-        self.preds: dict[str, list[str]] = {v: [] for v in self.order}
-        self.succs: dict[str, list[str]] = {v: [] for v in self.order}
-        for u, w in data:
-            self.preds[w].append(u)
-            self.succs[u].append(w)
+        self.preds, self.succs = facts.preds, facts.succs
         self.copies = _inplace_copies(sm, self.order, self.seg, self.succs, self.k)
-        self.copies -= _inplace_openers(sm, self.segments, self.seg, self.preds, self.succs, list(cg.nodes))
+        self.copies -= _inplace_openers(sm, self.segments, self.seg, self.preds, self.succs, facts.program)
         self.bytes: dict[int, int] = {}
         self.holders: dict[int, set] = {}
         self.current = self.peak = sm.resident
@@ -291,26 +333,23 @@ class _Replayer:
     def produce(self, v: str, holder) -> None:
         """Run node v: its value shares its operand's storage (view, in-place) or gets a new one, after the
         temporaries its forward holds on the way (``forward_rise``)."""
-        self.peak = max(self.peak, self.current + self.cg.nodes[v].get("forward_rise", 0))
+        self.peak = max(self.peak, self.current + self.facts.forward_rise[v])
         src = self.sm.inplace.get(v) if v not in self.copies else None
         src = src or self.sm.views.get(v)
         if src is not None and self.sid.get(src) in self.holders:
             self.sid[v] = self.sid[src]
             self.hold(self.sid[v], holder)
         else:
-            self.sid[v] = self.new(int(self.cg.nodes[v]["M"]), holder)
+            self.sid[v] = self.new(self.facts.M[v], holder)
 
     def save(self, w: str) -> None:
         """What autograd keeps for w's backward, held until w's backward has run."""
-        attrs = self.cg.nodes[w]
-        kept = [w] if attrs.get("saves_output", False) else []
-        kept += attrs.get("saved_inputs", self.preds[w])
         held = self.saved.setdefault(w, [])
-        for u in kept:
+        for u in self.facts.keeps[w]:
             if u in self.sid and self.sid[u] in self.holders:
                 self.hold(self.sid[u], ("saved", w))
                 held.append(self.sid[u])
-        extra = int(attrs.get("saved", 0) or 0)
+        extra = self.facts.saved[w]
         if extra:
             held.append(self.new(extra, ("saved", w)))
 
@@ -367,10 +406,10 @@ class _Replayer:
                 self.release_node(u, (*tag, u))
 
     def backward(self) -> list[int]:
-        cg, sm = self.cg, self.sm
+        sm = self.sm
         self.release(self.loss, "loss")  # the loss's backward ran (its peak was counted by forward())
         for o in sm.outputs:
-            self.grad[o] = self.new(int(sm.output_grad * cg.nodes[o]["M"]), ("grad", o))
+            self.grad[o] = self.new(int(sm.output_grad * self.facts.M[o]), ("grad", o))
         seg_peaks = [0] * len(self.blocks)
         for i in range(len(self.blocks) - 1, -1, -1):
             self.peak = self.current
@@ -401,23 +440,23 @@ class _Replayer:
             self.release(sid, ("ckpt", id(b)))
 
     def backward_nodes(self, names: list[str]) -> None:
-        cg, sm, grad = self.cg, self.sm, self.grad
+        sm, grad, M, kind = self.sm, self.grad, self.facts.M, self.facts.kind
         for v in reversed(names):
             if v not in grad:  # nothing downstream needs a gradient through v
                 self.unsave(v)
                 continue
             sums, accumulated, replaced, before = 0, 0, [], self.current
-            passes = PASS_THROUGH.get(cg.nodes[v].get("kind"))
+            passes = PASS_THROUGH.get(kind[v])
             for u in self.preds[v]:
                 if u not in sm.grad_inputs.get(v, ()):
                     continue  # v's backward gives u no gradient (a shape, an index, a detached value)
-                size = int(cg.nodes[u]["M"])
+                size = M[u]
                 shared = (v in sm.views or v in sm.passes or passes == "slice"
-                          or (passes == "same" and size == cg.nodes[v]["M"]))
+                          or (passes == "same" and size == M[v]))
                 if shared and u not in grad:
                     grad[u] = grad[v]
                     self.hold(grad[u], ("grad", u))
-                elif u in grad and v in sm.passes and cg.nodes[v].get("kind") == "getitem":
+                elif u in grad and v in sm.passes and kind[v] == "getitem":
                     # one output of a node that returns several (split, unbind): autograd keeps each
                     # output's gradient in its own slot of the node's backward, and sums nothing
                     self.hold(grad[v], ("grad", u))
@@ -436,7 +475,7 @@ class _Replayer:
                 else:
                     self.seen_params.add(key)
                     self.new(nbytes, ("param", key))
-            self.peak = max(self.peak, self.current + accumulated, before + cg.nodes[v].get("backward_rise", 0))
+            self.peak = max(self.peak, self.current + accumulated, before + self.facts.backward_rise[v])
             # the engine lets go of the node's incoming gradient and saved tensors before it sums the
             # gradients the node returned into those already there
             self.release(grad.pop(v), ("grad", v))
@@ -459,13 +498,13 @@ class _Replayer:
         """
         names = [v for leaf in subplans.leaves([b]) for v in leaf]
         last = subplans.leaf_blocks([b])[-1]
-        saving = [v for v in last.names if _saves(self.cg.nodes[v])]
+        saving = [v for v in last.names if self.facts.saves[v]]
         if not saving and b.sub is None:
             return
         stop = self.pos[saving[-1]] if saving else self.pos[last.names[0]] - 1
         run = [v for v in names if self.pos[v] <= stop]
         unrun = None
-        if saving and not (self.cg.nodes[run[-1]].get("saves_output") or self.cg.nodes[run[-1]].get("saved")):
+        if saving and not (self.facts.saves_output[run[-1]] or self.facts.saved[run[-1]]):
             unrun = run[-1]
         self.forward_blocks([b] if b.sub is None else b.sub, self._frees(run), ("rval",), set(run), unrun)
 

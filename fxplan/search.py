@@ -250,9 +250,13 @@ class Search:
         return best
 
     def _smallest_of(self, candidates: list[Candidate]) -> Candidate | None:
+        """The least measured peak of ``candidates`` (ties: least recomputation), measuring those whose replay
+        may beat the best measured so far (the margin of :meth:`_may_fit`). Once the replay is trusted
+        (:meth:`_trusted`), the least replayed peak (ties: least recomputation), measured: another
+        candidate could measure lower by at most twice ``TRUST``."""
         best: Candidate | None = None
         for c in sorted(candidates, key=lambda c: (c.replayed, c.recompute)):
-            if best is not None and not self._may_fit(c, best.measured):
+            if best is not None and (self._trusted() or not self._may_fit(c, best.measured)):
                 break
             m = self.measure(c)
             if m is not None and (best is None or (m, c.recompute) < (best.measured, best.recompute)):
@@ -268,7 +272,7 @@ class Search:
         the replay under-predicted it by more than ``TRUST``, the search is made again, measuring."""
         if self._lowest is None:
             self.smallest()  # measures the candidates the replay is judged by
-            self._lowest = self._nested_search(self.trust_replay and self._replay_agrees())
+            self._lowest = self._nested_search(self._trusted())
             if self._lowest.measured is None:
                 m = self.measure(self._lowest)
                 if m is None or m > self._lowest.replayed * (1 + TRUST):
@@ -284,12 +288,12 @@ class Search:
         lowest = self.smallest()
         self._nested = nested = NestedSearch(self.cg, self.meter, replayed=self._replay_tree, trusted=trusted)
         found_at = None
-        for group in self._seeds() if nested.max_measurements > 0 else []:
+        for group in self._seeds(trusted) if nested.max_measurements > 0 else []:
             nested.start_group()  # a budget per solver: see _seeds
             for seed in group:
                 if nested.total_left <= 0:
                     break
-                found = nested.improve(seed.plan, seed.measured, seed.segment_replayed)
+                found = nested.improve(seed.plan, seed.peak, seed.segment_replayed)
                 # found.measured is replayed where the search trusts the replay: compared with a replay
                 if found is not None and found.measured < (lowest.replayed if trusted else lowest.measured):
                     lowest, found_at = self._nested_candidate(found, seed.plan), (found, seed.plan)
@@ -297,10 +301,12 @@ class Search:
             nested.cheapen(*found_at)
         return lowest
 
-    def _replay_agrees(self) -> bool:
-        """True if every candidate measured so far replayed within ``TRUST`` of its measured peak."""
+    def _trusted(self) -> bool:
+        """True if the replay may rank candidates: every candidate measured so far (one at least) replayed
+        within ``TRUST`` of its measured peak, and no nested plan found by replay measured otherwise."""
         measured = [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None]
-        return bool(measured) and all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
+        return self.trust_replay and bool(measured) and \
+            all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
 
     def _distrust(self, why: str) -> None:
         """Forget the nested plans ranked by replay: from now on the nested search measures its moves."""
@@ -336,11 +342,12 @@ class Search:
             c.measured, c.code = found.measured, found.code
         return c
 
-    def _seeds(self) -> list[list[Candidate]]:
+    def _seeds(self, trusted: bool) -> list[list[Candidate]]:
         """Where the nested search starts, one list per solver: the smallest candidate, then the smallest of
         each other solver's candidates (so a DP solver's search starts where ``solver="chen"``'s does, and
-        ends at most as high); after each, its solver's other measured plans by measured peak (at most
-        ``SEEDS_PER_SOLVER`` in all), each searched while the solver's budget of measurements lasts
+        ends at most as high); after each, its solver's other plans whose replay is within the margin of
+        :meth:`_may_fit` of the first's peak, by peak (at most ``SEEDS_PER_SOLVER`` in all; ``trusted``:
+        by replayed peaks, measuring none), each searched while the solver's budget of measurements lasts
         (:meth:`lowest` keeps the lowest; the budget is per solver, so that the search from Chen's plans
         is the one ``solver="chen"`` makes). The search is local, and where it ends depends on where it
         starts: on ResNet-50 at batch 96 it lowers nothing from the approximate DP's smallest plan (2.39
@@ -352,10 +359,17 @@ class Search:
             by_solver.setdefault(c.plan.solver, []).append(c)
         groups = []
         for solver, group in sorted(by_solver.items(), key=lambda item: item[0] != best.plan.solver):
-            low = best if solver == best.plan.solver else self._smallest_of(group)
+            if solver == best.plan.solver:
+                low = best
+            elif trusted:
+                low = min(group, key=lambda c: (c.replayed, c.recompute))
+            else:
+                low = self._smallest_of(group)
             if low is not None:
-                others = sorted((c for c in group if c.measured is not None and c is not low),
-                                key=lambda c: (c.measured, c.recompute))
+                near = [c for c in group if c is not low and not c.rejected and self._may_fit(c, low.peak)]
+                if not trusted:
+                    near = [c for c in near if self.measure(c) is not None]
+                others = sorted(near, key=lambda c: (c.peak, c.recompute))
                 groups.append([low, *others][:SEEDS_PER_SOLVER])
         return groups
 
@@ -377,8 +391,7 @@ class Search:
         """``c`` if it fits ``budget`` and beats ``found`` (less recomputation, ties: lower peak), else ``found``.
         ``c`` is measured unless its replayed peak rules it out: by more than ``TRUST`` where every candidate
         measured so far replayed within it, else by the margin of :meth:`_may_fit`."""
-        trusted = self.trust_replay and self._replay_agrees()
-        if not (c.replayed * (1 - TRUST) <= budget if trusted else self._may_fit(c, budget)):
+        if not (c.replayed * (1 - TRUST) <= budget if self._trusted() else self._may_fit(c, budget)):
             return found
         m = self.measure(c)
         if m is None or m > budget:
