@@ -264,13 +264,13 @@ class NestedSearch:
         budget search starts a group per solver)."""
         self.total_left = SEEDS_MEASUREMENTS * self.max_measurements
 
-    def measure(self, blocks: list[Block]) -> tuple[int, str | None] | None:
+    def measure(self, blocks: list[Block], replayed: int | None = None) -> tuple[int, str | None] | None:
         """The measured peak and generated code of a tree (None if the rewriter rejects it); its replayed
-        peak and no code where the search trusts the replay."""
+        peak (``replayed`` if given) and no code where the search trusts the replay."""
         self.measurements_left -= 1
         self.total_left -= 1
         if self.trusted:
-            got = self.replayed(blocks), None
+            got = self.replayed(blocks) if replayed is None else replayed, None
         else:
             got = self.meter.measure([b.names for b in blocks], subplans.as_children(blocks))
         if got is not None and subplans.depth(blocks) > 1:
@@ -291,10 +291,11 @@ class NestedSearch:
             for rf, _, tree in options:
                 if rf >= best.recompute_fraction or left <= 0:
                     continue
-                if not self._may_beat(self._replayed(tree), found.measured, self._replayed(found.blocks)):
+                predicted = self._replayed(tree)
+                if not self._may_beat(predicted, found.measured, self._replayed(found.blocks)):
                     continue
                 left -= 1
-                got = self.measure(tree)
+                got = self.measure(tree, predicted)
                 if got is not None and got[0] <= found.measured:
                     best = NestedResult(tree, got[0], got[1], rf)
                     break
@@ -385,7 +386,7 @@ class NestedSearch:
                 if idle == patience or min(self.measurements_left, self.total_left) <= 0 \
                         or not self._may_beat(predicted, bar, replayed_bar):
                     break
-                got = self.measure(cand)
+                got = self.measure(cand, predicted)
                 idle += 1
                 if got is not None and got[0] < (best if round_best is None else round_best[0]):
                     round_best, idle = (got[0], got[1], cand, predicted), 0

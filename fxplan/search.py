@@ -374,7 +374,15 @@ class Search:
         return groups
 
     def least_recompute(self, budget: int) -> Candidate | None:
-        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak)."""
+        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak).
+
+        Where nothing is measured yet, the first measurement is of the candidate of least recomputation that
+        the replay says fits: where the replay is right, it is trusted from then on (:meth:`_better`) and
+        that candidate is the answer, in one fake step."""
+        if self.trust_replay and not any(c.measured is not None for c in [*self.candidates, *(self._floor or [])]):
+            first = next((c for plans in (self._walk, self.floor) for c in plans() if c.replayed <= budget), None)
+            if first is not None:
+                self.measure(first)
         found: Candidate | None = None
         for c in self._walk():  # recomputation never decreases along the walk
             if found is not None and c.recompute > found.recompute:

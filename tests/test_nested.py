@@ -192,7 +192,7 @@ def test_cheapen_undoes_the_moves_that_do_not_matter_for_the_peak(monkeypatch):
     search = nested.NestedSearch(cg, None, 10)
     calls = []
 
-    def measure(blocks):
+    def measure(blocks, replayed=None):
         calls.append(blocks)
         return (100 if blocks[0].sub is not None and blocks[0].names == names[:3] else 120), None
 
