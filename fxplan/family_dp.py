@@ -97,9 +97,16 @@ class Context:
 
 
 def _fingerprint(cg: CostGraph) -> int:
-    attrs = ("T", "M", "saved", "saves_output", "saved_inputs")
-    nodes = tuple((v, *(repr(d.get(k)) for k in attrs)) for v, d in cg.nodes(data=True))
-    return hash((nodes, tuple(cg.edges(data="order_only", default=False))))
+    """A hash of what the planner reads of ``cg`` (costs, what backward saves, edges): a changed graph gets
+    a new planning context. Called once per solve, so kept cheap: values hashed as they are where they can."""
+    edges = tuple(cg.edges(data="order_only", default=False))
+    try:
+        nodes = tuple((v, d.get("T"), d.get("M"), d.get("saved"), d.get("saves_output"),
+                       None if (si := d.get("saved_inputs")) is None else tuple(si)) for v, d in cg.nodes(data=True))
+        return hash((nodes, edges))
+    except TypeError:  # an unhashable attribute value
+        attrs = ("T", "M", "saved", "saves_output", "saved_inputs")
+        return hash((tuple((v, *(repr(d.get(k)) for k in attrs)) for v, d in cg.nodes(data=True)), edges))
 
 
 def forget_context(cg: CostGraph) -> None:

@@ -75,12 +75,13 @@ def solve_graph(cg: CostGraph, activation_budget: int | None, *, strategy: str, 
 
 
 def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, *, strategy: str,
-               solver: str, memory_model=None, max_sets: int | None = None) -> Plan:
+               solver: str, memory_model=None, max_sets: int | None = None, resident: int | None = None) -> Plan:
     """The solver's plan for a whole-step budget in bytes (None: its smallest predicted peak), with
-    whole-step predictions. No measurement: see ``fxplan.plan`` for plans held to measured peaks."""
-    resident = resident_bytes(cg, model)
+    whole-step predictions. No measurement: see ``fxplan.plan`` for plans held to measured peaks.
+    ``resident``: :func:`resident_bytes` if the caller has it (it walks every parameter)."""
+    resident = resident_bytes(cg, model) if resident is None else resident
     if budget_bytes is None and strategy == "time" and solver != "chen":
-        budget_bytes = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model)
+        budget_bytes = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model, resident=resident)
     activation_budget = None if budget_bytes is None else budget_bytes - resident
     try:
         result = solve_graph(cg, activation_budget, strategy=strategy, solver=solver, memory_model=memory_model,
@@ -88,7 +89,7 @@ def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, 
     except BudgetError as exc:
         smallest = None if exc.min_feasible_bytes is None else exc.min_feasible_bytes + resident
         if smallest is None and solver != "chen":
-            smallest = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model)
+            smallest = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model, resident=resident)
         raise BudgetError(
             f"no {solver} plan fits a peak of {budget_bytes / GiB:.3f} GiB; the smallest feasible budget is "
             + (f"{smallest / GiB:.3f} GiB ({smallest} bytes)" if smallest else "unknown")
@@ -101,11 +102,13 @@ def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, 
 
 
 def min_budget_bytes_graph(cg: CostGraph, model: torch.nn.Module, *, solver: str = "approx",
-                           memory_model=None) -> int:
-    """The smallest whole-step budget (bytes) for which the solver finds a plan (predicted)."""
+                           memory_model=None, resident: int | None = None) -> int:
+    """The smallest whole-step budget (bytes) for which the solver finds a plan (predicted); ``resident`` as
+    :func:`plan_graph` takes it."""
     if solver not in ("approx", "exact"):
         raise FxplanError(f"min_budget_bytes needs solver 'approx' or 'exact', got {solver!r}")
-    return dp.min_budget_bytes(cg, exact=solver == "exact", memory_model=memory_model) + resident_bytes(cg, model)
+    resident = resident_bytes(cg, model) if resident is None else resident
+    return dp.min_budget_bytes(cg, exact=solver == "exact", memory_model=memory_model) + resident
 
 
 def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, solver: str = "approx") -> int:

@@ -70,7 +70,7 @@ from fxplan.lowersets import enumerate_lower_sets
 from fxplan.measure import GiB
 from fxplan.meter import PlanMeter
 from fxplan.nested import NestedResult, NestedSearch
-from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph
+from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph, resident_bytes
 from fxplan.plans import Plan
 from fxplan.replay import Replay, StepModel, replay, replay_blocks, step_model
 from fxplan.subplans import Block
@@ -475,9 +475,11 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
     # autograd model (None: the default) supports; each of its solves is slow, so it walks coarser
     memo = None if large else SWEEP  # planning contexts (fxplan.dp.context) cache its priced moves
     step, most = (LARGE_STEP, LARGE_FRONTIER) if large else (STEP, FRONTIER)
-    lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo)
+    resident = resident_bytes(cg, model)  # once: it walks every parameter
+    lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo, resident=resident)
     walk = max(FRONTIER_MIN, min(most, FRONTIER_WORK // max(1, cg.number_of_nodes())))
-    p = plan_graph(cg, model, 2**62, strategy="time", solver=solver, memory_model=memo, max_sets=FRONTIER_SETS)
+    p = plan_graph(cg, model, 2**62, strategy="time", solver=solver, memory_model=memo, max_sets=FRONTIER_SETS,
+                   resident=resident)
     if walk < most and p.predicted_peak_bytes > lo:
         step = max(step, 1 - (lo / p.predicted_peak_bytes) ** (1 / walk))
     for k in range(most):
@@ -487,11 +489,11 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
             break
         try:
             p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo,
-                           max_sets=FRONTIER_SETS)
+                           max_sets=FRONTIER_SETS, resident=resident)
         except BudgetError:  # below the least peak over the FRONTIER_SETS sets: the plans below follow
             break
-    yield plan_graph(cg, model, lo, strategy="time", solver=solver, memory_model=memo)
-    yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo)
+    yield plan_graph(cg, model, lo, strategy="time", solver=solver, memory_model=memo, resident=resident)
+    yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo, resident=resident)
 
 
 def _chen_plans(cg: CostGraph, model: torch.nn.Module) -> list[Plan]:
@@ -514,9 +516,11 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
     other = "exact" if solver == "approx" else "approx"
     if lower_sets != pruned and (other == "approx" or lower_sets is not None):
         try:
-            lo = min_budget_bytes_graph(cg, model, solver=other, memory_model=SWEEP)
-            plans += [plan_graph(cg, model, lo, strategy="time", solver=other, memory_model=SWEEP),
-                      plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP)]
+            resident = resident_bytes(cg, model)
+            lo = min_budget_bytes_graph(cg, model, solver=other, memory_model=SWEEP, resident=resident)
+            plans += [plan_graph(cg, model, lo, strategy="time", solver=other, memory_model=SWEEP, resident=resident),
+                      plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP,
+                                 resident=resident)]
         except FxplanError as exc:  # the exact DP's caps (moves, time): its plans are extras, not the answer
             logger.info("fxplan: no %s DP floor plans: %s", other, exc)
     return plans
