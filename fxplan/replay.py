@@ -40,7 +40,7 @@ docs/rewrite.md and docs/planner.md give its residual error.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +53,47 @@ from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
 from fxplan.measure import default_loss, resident_bytes, track_memory
 from fxplan.subplans import Block
+
+
+@dataclass
+class GraphFacts:
+    """What a replay reads of the cost graph, per node, kept as plain dicts (:func:`graph_facts`): data-edge
+    ``preds`` and ``succs``, output bytes ``M``, the forward and backward temporaries, ``kind``, what
+    autograd keeps for its backward (``keeps``: the node itself and its inputs, ``saved``: extra bytes)
+    and whether that is anything at all (``saves``), and the nodes in program order."""
+
+    preds: dict[str, list[str]]
+    succs: dict[str, list[str]]
+    M: dict[str, int]
+    forward_rise: dict[str, int]
+    backward_rise: dict[str, int]
+    kind: dict[str, str | None]
+    keeps: dict[str, list[str]]
+    saved: dict[str, int]
+    saves: dict[str, bool]
+    saves_output: dict[str, bool]
+    program: list[str]
+
+
+def graph_facts(cg: CostGraph) -> GraphFacts:
+    """The :class:`GraphFacts` of ``cg``."""
+    program = list(cg.nodes)
+    preds: dict[str, list[str]] = {v: [] for v in program}
+    succs: dict[str, list[str]] = {v: [] for v in program}
+    for u, w, only in cg.edges(data="order_only"):
+        if not only:
+            preds[w].append(u)
+            succs[u].append(w)
+    nodes = cg.nodes
+    facts = GraphFacts(
+        preds, succs, {v: int(nodes[v]["M"]) for v in program},
+        {v: nodes[v].get("forward_rise", 0) for v in program}, {v: nodes[v].get("backward_rise", 0) for v in program},
+        {v: nodes[v].get("kind") for v in program},
+        {v: ([v] if nodes[v].get("saves_output", False) else []) + list(nodes[v].get("saved_inputs", preds[v]))
+         for v in program},
+        {v: int(nodes[v].get("saved", 0) or 0) for v in program}, {v: _saves(nodes[v]) for v in program},
+        {v: bool(nodes[v].get("saves_output")) for v in program}, program)
+    return facts
 
 
 @dataclass(frozen=True)
@@ -68,7 +109,8 @@ class StepModel:
     node -> the inputs its backward gives a gradient; ``passes``: nodes without a backward of their
     own (their inputs get the incoming gradient itself). The last two come from the trace
     (``cg.graph["gradients"]``). ``random_inplace``: the in-place nodes that draw random numbers.
-    ``loss_held`` and ``loss_peak``: :class:`LossCost`'s ``held`` and ``peak``.
+    ``loss_held`` and ``loss_peak``: :class:`LossCost`'s ``held`` and ``peak``; ``facts``: the graph's
+    :class:`GraphFacts` (made once here: a search replays hundreds of plans of one graph).
     """
 
     resident: int
@@ -83,6 +125,7 @@ class StepModel:
     random_inplace: frozenset[str] = frozenset()
     loss_held: int = 0
     loss_peak: int = 0
+    facts: GraphFacts | None = field(default=None, compare=False, repr=False)
 
 
 def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -121,7 +164,7 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     call = as_call(example_inputs)
     resident = resident_bytes(model, (call.args, call.kwargs))
     return StepModel(resident, grads_exist, param_grads, outputs, loss.output_grad, views, inplace, grad_inputs,
-                     passes, frozenset(random_inplace), loss.held, loss.peak)
+                     passes, frozenset(random_inplace), loss.held, loss.peak, graph_facts(cg))
 
 
 @dataclass(frozen=True)
@@ -198,58 +241,12 @@ def replay_blocks(cg: CostGraph, sm: StepModel, blocks: list[Block]) -> Replay:
     return _Replayer(cg, sm, blocks).run()
 
 
-@dataclass
-class _Facts:
-    """What a replay reads of the cost graph, per node, kept as plain dicts (:func:`_facts`): data-edge
-    ``preds`` and ``succs``, output bytes ``M``, the forward and backward temporaries, ``kind``, what
-    autograd keeps for its backward (``keeps``: the node itself and its inputs, ``saved``: extra bytes)
-    and whether that is anything at all (``saves``), and the nodes in program order."""
-
-    preds: dict[str, list[str]]
-    succs: dict[str, list[str]]
-    M: dict[str, int]
-    forward_rise: dict[str, int]
-    backward_rise: dict[str, int]
-    kind: dict[str, str | None]
-    keeps: dict[str, list[str]]
-    saved: dict[str, int]
-    saves: dict[str, bool]
-    saves_output: dict[str, bool]
-    program: list[str]
-
-
-def _facts(cg: CostGraph) -> _Facts:
-    """The :class:`_Facts` of ``cg``, kept on the graph (a search replays hundreds of plans of one graph)."""
-    key = (cg.number_of_nodes(), cg.number_of_edges())
-    held = cg.__dict__.get("_fxplan_replay_facts")
-    if held is not None and held[0] == key:
-        return held[1]
-    program = list(cg.nodes)
-    preds: dict[str, list[str]] = {v: [] for v in program}
-    succs: dict[str, list[str]] = {v: [] for v in program}
-    for u, w, only in cg.edges(data="order_only"):
-        if not only:
-            preds[w].append(u)
-            succs[u].append(w)
-    nodes = cg.nodes
-    facts = _Facts(
-        preds, succs, {v: int(nodes[v]["M"]) for v in program},
-        {v: nodes[v].get("forward_rise", 0) for v in program}, {v: nodes[v].get("backward_rise", 0) for v in program},
-        {v: nodes[v].get("kind") for v in program},
-        {v: ([v] if nodes[v].get("saves_output", False) else []) + list(nodes[v].get("saved_inputs", preds[v]))
-         for v in program},
-        {v: int(nodes[v].get("saved", 0) or 0) for v in program}, {v: _saves(nodes[v]) for v in program},
-        {v: bool(nodes[v].get("saves_output")) for v in program}, program)
-    cg.__dict__["_fxplan_replay_facts"] = (key, facts)
-    return facts
-
-
 class _Replayer:
     """One replay: live storages with their holders; a storage is freed when its last holder lets go."""
 
     def __init__(self, cg: CostGraph, sm: StepModel, blocks: list[Block]):
         self.cg, self.sm, self.blocks = cg, sm, blocks
-        self.facts = facts = _facts(cg)
+        self.facts = facts = sm.facts or graph_facts(cg)
         self.segments = subplans.leaves(blocks)  # the innermost segments, in execution order
         self.k = len(self.segments)
         self.seg = {v: i for i, names in enumerate(self.segments) for v in names}

@@ -113,11 +113,13 @@ SEEDS_PER_SOLVER = 8
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
 NEGLIGIBLE = 0.001
 
-#: The nested search ranks its moves by replay instead of measuring each one (a fake step of a rewritten
-#: module) where every candidate measured before it replayed within this fraction of its measured peak
-#: (:meth:`Search.lowest`); the nested plan taken is measured, and if it measures above its replayed
-#: peak by more than this fraction, the nested search is made again measuring its moves. On the zoo and
-#: the transformers the replay is within 0.01% of flat plans and 0.4% of nested ones (docs/planner.md).
+#: Once every candidate measured so far replayed within this fraction of its measured peak, the search
+#: ranks by replay instead of measuring (each measurement is a fake step of a rewritten module): the
+#: smallest candidate is the least replayed one, a budget rules out candidates replayed this much above
+#: it, and the nested search measures none of its moves (:meth:`Search.lowest`). What is returned is
+#: measured; a nested plan measuring above its replay by more than this fraction (or above the budget)
+#: sends the nested search back to measuring every move. On the zoo and the transformers the replay is
+#: within 0.01% of flat plans and 0.4% of nested ones (docs/planner.md).
 TRUST = 0.001
 
 #: The memory model the DP solvers plan candidates with (all instances are equal: one planning context).
