@@ -245,7 +245,7 @@ class _Replayer:
     """One replay: live storages with their holders; a storage is freed when its last holder lets go."""
 
     def __init__(self, cg: CostGraph, sm: StepModel, blocks: list[Block]):
-        self.cg, self.sm, self.blocks = cg, sm, blocks
+        self.sm, self.blocks = sm, blocks
         self.facts = facts = sm.facts or graph_facts(cg)
         self.segments = subplans.leaves(blocks)  # the innermost segments, in execution order
         self.k = len(self.segments)

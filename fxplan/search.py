@@ -273,21 +273,20 @@ class Search:
         candidate measured so far replayed within ``TRUST``; the plan it finds is then measured, and if
         the replay under-predicted it by more than ``TRUST``, the search is made again, measuring."""
         if self._lowest is None:
-            self.smallest()  # measures the candidates the replay is judged by
-            self._lowest = self._nested_search(self._trusted())
+            smallest = self.smallest()  # measures the candidates the replay is judged by
+            self._lowest = self._nested_search(smallest, self._trusted())
             if self._lowest.measured is None:
                 m = self.measure(self._lowest)
                 if m is None or m > self._lowest.replayed * (1 + TRUST):
                     self._distrust(f"its nested plan measured {m} bytes, replayed {self._lowest.replayed}")
-                    self._lowest = self._nested_search(False)
-                elif m >= self.smallest().measured:  # replayed lower, measured not: within TRUST
-                    self._lowest = self.smallest()
+                    self._lowest = self._nested_search(smallest, False)
+                elif m >= smallest.measured:  # replayed lower, measured not: within TRUST
+                    self._lowest = smallest
         return self._lowest
 
-    def _nested_search(self, trusted: bool) -> Candidate:
-        """The lowest of :meth:`smallest` and the nested plans found from :meth:`_seeds` (ranked by replay
-        if ``trusted``, then not measured), keeping the nested search for :meth:`_nested_fit`."""
-        lowest = self.smallest()
+    def _nested_search(self, lowest: Candidate, trusted: bool) -> Candidate:
+        """The lowest of ``lowest`` (:meth:`smallest`) and the nested plans found from :meth:`_seeds` (ranked by
+        replay if ``trusted``, then not measured), keeping the nested search for :meth:`_nested_fit`."""
         self._nested = nested = NestedSearch(self.cg, self.meter, replayed=self._replay_tree, trusted=trusted)
         found_at = None
         for group in self._seeds(trusted) if nested.max_measurements > 0 else []:
@@ -306,9 +305,13 @@ class Search:
     def _trusted(self) -> bool:
         """True if the replay may rank candidates: every candidate measured so far (one at least) replayed
         within ``TRUST`` of its measured peak, and no nested plan found by replay measured otherwise."""
-        measured = [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None]
+        measured = self._measured()
         return self.trust_replay and bool(measured) and \
             all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
+
+    def _measured(self) -> list[Candidate]:
+        """The canonical candidates measured so far."""
+        return [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None]
 
     def _distrust(self, why: str) -> None:
         """Forget the nested plans ranked by replay: from now on the nested search measures its moves."""
@@ -337,9 +340,10 @@ class Search:
         and code (:meth:`result` generates its module); not measured yet where the search ranked by replay
         (``found.code`` None: ``found.measured`` is its replayed peak). One candidate per plan, so that each
         is measured at most once."""
-        plan = found.plan(self.cg, seed)
-        key = (repr(plan.segments), repr(plan.children), plan.recompute_fraction)
-        c = self._nested_candidates.setdefault(key, Candidate(plan, peaks=(found.measured, [])))
+        key = (repr(found.blocks), found.recompute_fraction)
+        if key not in self._nested_candidates:
+            self._nested_candidates[key] = Candidate(found.plan(self.cg, seed), peaks=(found.measured, []))
+        c = self._nested_candidates[key]
         if c.measured is None and found.code is not None:
             c.measured, c.code = found.measured, found.code
         return c
@@ -381,7 +385,7 @@ class Search:
         Where nothing is measured yet, the first measurement is of the candidate of least recomputation that
         the replay says fits: where the replay is right, it is trusted from then on (:meth:`_better`) and
         that candidate is the answer, in one fake step."""
-        if self.trust_replay and not any(c.measured is not None for c in [*self.candidates, *(self._floor or [])]):
+        if self.trust_replay and not self._measured():
             first = next((c for plans in (self._walk, self.floor) for c in plans() if c.replayed <= budget), None)
             if first is not None:
                 self.measure(first)
