@@ -76,13 +76,12 @@ class Family:
         self.last_in = np.array([s.bit_length() - 1 for s in sets], dtype=np.int64)
         self.first_out = np.array([(~s & (s + 1)).bit_length() - 1 for s in sets], dtype=np.int64)
         index = {s: k for k, s in enumerate(sets)} if bases is None else {}
-        dsucc_l = [list(iter_bits(m)) for m in ix.dsucc]
-        succ = ix.succ
+        dsucc, succ, full = ix.dsucc, ix.succ, ix.full
         base = np.full(S, -1, dtype=np.int64)
         extras: list[list[int]] = []
         bds: list[list[int]] = []
         mxs: list[list[int]] = []
-        for k, (X, xb) in enumerate(zip(sets, rows)):
+        for k, X in enumerate(sets):
             if bases is not None:
                 b = bases[k]
             else:  # the set without its highest node (always there in the full lattice), else none
@@ -92,7 +91,8 @@ class Family:
             extra = list(iter_bits(X & ~B))
             extras.append(extra)
             cand = bds[b] + extra if b >= 0 else extra  # disjoint: ∂(B) ⊆ B
-            bds.append([u for u in cand if any(not xb[w >> 3] >> (w & 7) & 1 for w in dsucc_l[u])])
+            outside = full & ~X
+            bds.append([u for u in cand if dsucc[u] & outside])
             cand = (mxs[b] + extra) if b >= 0 else extra
             mxs.append([u for u in cand if not succ[u] & X])
         self.base = base
