@@ -513,7 +513,9 @@ PASS_THROUGH = {"add": "same", "add_": "same", "iadd": "same", "cat": "slice", "
 
 
 def _saves(attrs: dict) -> bool:
-    return bool(attrs.get("saves_output") or attrs.get("saved_inputs", True) or attrs.get("saved"))
+    """Whether the node's backward keeps any tensor: checkpoint's early stop ends at the last such node."""
+    return bool(attrs.get("saves_output") or attrs.get("saved_inputs", True) or attrs.get("saved")
+                or attrs.get("saves_resident"))
 
 
 def _roots(sm: StepModel, order: Sequence[str]) -> dict[str, str]:

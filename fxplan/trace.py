@@ -14,6 +14,8 @@ through a private fake-tensor copy of the model, one node at a time, to record p
 * what autograd saves for the node's backward, seen through ``saved_tensors_hooks``: whether it keeps
   the node's own output (``saves_output``), which predecessors' outputs it keeps (``saved_inputs``),
   and the bytes of anything else it keeps (``saved``: BatchNorm statistics, pooling indices, masks);
+  ``saves_resident``: whether it also keeps a parameter, buffer or model input (no bytes of its own, but
+  where a recomputation that checkpoint stops early ends);
 * ``alias_of``: the predecessor whose storage the output shares (views and in-place ops), else None;
 * ``mutates``: the buffers the node writes in place, seen from the schemas of the ops it runs;
 * ``forward_rise`` and ``backward_rise``: the most bytes of new storages the node's forward and its
@@ -468,7 +470,7 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
             if key != rec.alias_storage:
                 owner.setdefault(key, node.name)
         kind = _kind(gm, node)
-        saves_output, saved_inputs, extra = _classify_saved(node, rec, owner, resident)
+        saves_output, saved_inputs, extra, saves_resident = _classify_saved(node, rec, owner, resident)
         cg.add_node(
             node.name,
             T=_time_cost(rec, kind, cost_model),
@@ -476,6 +478,7 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
             saved=int(extra),
             saves_output=saves_output,
             saved_inputs=saved_inputs,
+            saves_resident=saves_resident,
             alias_of=owner.get(rec.alias_storage) if rec.alias_storage is not None else None,
             mutates=rec.mutates,
             forward_rise=int(rec.forward_rise),
@@ -494,15 +497,16 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
 
 
 def _classify_saved(node, rec: _NodeRecord, owner: dict[int, str],
-                    resident: set[int]) -> tuple[bool, tuple[str, ...], int]:
-    """Split what the node's backward keeps into its own output, predecessors' outputs, and the rest.
-
-    Parameters, buffers and graph inputs (``resident``) are held for the whole step anyway and ignored.
-    A saved storage owned by a non-adjacent ancestor (a view chain) is attributed to that ancestor.
+                    resident: set[int]) -> tuple[bool, tuple[str, ...], int, bool]:
+    """Split what the node's backward keeps into its own output, predecessors' outputs, the bytes of the
+    rest, and whether it keeps any parameter, buffer or graph input (``resident``: held for the whole step
+    anyway, so no bytes). A saved storage owned by a non-adjacent ancestor (a view chain) is attributed to
+    that ancestor.
     """
     saves_output = False
     saved_inputs: list[str] = []
     extra = 0
+    saves_resident = any(key in resident for key in rec.saved_storages)
     for key, nbytes in rec.saved_storages.items():
         producer = owner.get(key)
         if key in rec.out_storages and (producer is None or producer == node.name or key == rec.alias_storage):
@@ -512,7 +516,7 @@ def _classify_saved(node, rec: _NodeRecord, owner: dict[int, str],
                 saved_inputs.append(producer)
         elif producer is None and key not in rec.out_storages and key not in resident:
             extra += nbytes
-    return saves_output, tuple(saved_inputs), extra
+    return saves_output, tuple(saved_inputs), extra, saves_resident
 
 
 def _kind(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
