@@ -17,7 +17,8 @@ timed on their own, a warm-up step, then per repeat the step, ``rewrite`` withou
 no-budget rewrite, and the budget is half the plain step's peak). The breakdown
 (seconds inside ``fxplan.search`` per stage, from the first no-budget rewrite; with ``--half``, from the
 first budget rewrite, followed by the plan it chose) says where the time goes:
-``trace`` capture and cost propagation, ``probe`` the replay's gradient probe (``step_model``), ``solve``
+``trace`` capture and cost propagation, ``capture`` the part of it that captures the graph (``symbolic_trace``
+or ``torch.export``, on a fake copy), ``probe`` the replay's gradient probe (``step_model``), ``solve``
 the DP solves of the candidate plans, ``replay`` their predicted peaks, ``codegen`` + ``measure`` the
 fake-tensor steps of the candidates measured.
 """
@@ -36,6 +37,7 @@ from pathlib import Path
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
+import fxplan.trace as tracing
 from fxplan import dp, meter, rewriting, search
 from fxplan.sweep_model import SweepModel
 from fxplan.trace import trace
@@ -43,7 +45,8 @@ from fxplan.trace import trace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_scale import residual_net  # noqa: E402
 
-STAGES = {"trace": [(rewriting, "trace")], "probe": [(search, "step_model")], "solve": [(search, "plan_graph")],
+STAGES = {"trace": [(rewriting, "trace")], "capture": [(tracing, "capture"), (tracing, "export_after")],
+          "probe": [(search, "step_model")], "solve": [(search, "plan_graph")],
           "min": [(search, "min_budget_bytes_graph")], "replay": [(search, "replay")],
           "codegen": [(meter, "segment_module")], "measure": [(meter, "measure_fake")]}
 
