@@ -35,6 +35,7 @@ class PlanMeter:
     def __init__(self, cg: CostGraph, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None):
         self.cg, self.inputs, self.loss_fn = cg, inputs, loss_fn
         self._fake: tuple[fx.GraphModule, tuple[tuple, dict], FakeTensorMode] | None = None
+        self.steps = 0  # fake-tensor steps measured
 
     def measure(self, segments: list[list[str]], children: dict) -> tuple[int, str] | None:
         """The measured peak of one step of the plan's module and the module's code; None if the
@@ -45,6 +46,7 @@ class PlanMeter:
         except FxplanError as exc:
             logger.debug("plan of %d segments rejected by the rewriter: %s", len(segments), exc)
             return None
+        self.steps += 1
         return measure_fake(twin, inputs, fake_mode, self.loss_fn).peak_bytes, code_of(twin)
 
     def module(self, segments: list[list[str]], children: dict, code: str | None) -> SegmentedModule:

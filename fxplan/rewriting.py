@@ -10,6 +10,7 @@ the same on the first call when no example inputs were given.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -125,11 +126,21 @@ def fit_budget(
     solver: str,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
 ) -> SegmentedModule:
-    """Trace, search (:mod:`fxplan.search`) and return the chosen plan's module for ``budget_bytes``."""
-    search = Search(trace(model, example_inputs), model, example_inputs, solver=solver, loss_fn=loss_fn)
+    """Trace, search (:mod:`fxplan.search`) and return the chosen plan's module for ``budget_bytes``.
+
+    Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
+    then the plan chosen, with seconds and fake-tensor steps."""
+    t0 = time.perf_counter()
+    cg = trace(model, example_inputs)
+    logger.info("fxplan: traced %s with %s: %d nodes, %.1f s; planning for %s", type(model).__name__,
+                cg.graph["captured"].method, cg.number_of_nodes(), time.perf_counter() - t0,
+                "the smallest peak" if budget_bytes is None else f"a budget of {budget_bytes / GiB:.3f} GiB")
+    t1 = time.perf_counter()
+    search = Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
     chosen = search.choose(budget_bytes, strategy)
-    logger.info("fxplan: %d segments, recompute %.1f%%, measured peak %.3f GiB", chosen.plan.num_segments,
-                100 * chosen.recompute, chosen.measured / GiB)
+    logger.info("fxplan: %d segments, recompute %.1f%%, measured peak %.3f GiB; planned in %.1f s (%d candidate "
+                "plans, %d measured on fake tensors)", chosen.plan.num_segments, 100 * chosen.recompute,
+                chosen.measured / GiB, time.perf_counter() - t1, len(search.candidates), search.meter.steps)
     return search.result(chosen, budget_bytes)
 
 

@@ -108,6 +108,10 @@ def test_lazy_rewrite_plans_on_first_call_and_replans_on_new_shapes(resnet, capl
     messages = [r.getMessage() for r in caplog.records]
     assert any("planning for input shapes" in m for m in messages)
     assert any("re-planning" in m for m in messages)
+    # each planning says what it is doing: the trace, then the plan chosen with its seconds and steps
+    traced = [m for m in messages if m.startswith("fxplan: traced ResNet with symbolic_trace: ")]
+    planned = [m for m in messages if m.endswith("measured on fake tensors)") and "planned in" in m]
+    assert len(traced) == len(planned) == 2, messages
     lazy.eval()
     with torch.no_grad():
         assert lazy(torch.randn(1, 3, 32, 32)).shape == (1, 1000)
