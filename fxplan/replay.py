@@ -85,7 +85,7 @@ def graph_facts(cg: CostGraph) -> GraphFacts:
             preds[w].append(u)
             succs[u].append(w)
     nodes = cg.nodes
-    facts = GraphFacts(
+    return GraphFacts(
         preds, succs, {v: int(nodes[v]["M"]) for v in program},
         {v: nodes[v].get("forward_rise", 0) for v in program}, {v: nodes[v].get("backward_rise", 0) for v in program},
         {v: nodes[v].get("kind") for v in program},
@@ -93,7 +93,6 @@ def graph_facts(cg: CostGraph) -> GraphFacts:
          for v in program},
         {v: int(nodes[v].get("saved", 0) or 0) for v in program}, {v: _saves(nodes[v]) for v in program},
         {v: bool(nodes[v].get("saves_output")) for v in program}, program)
-    return facts
 
 
 @dataclass(frozen=True)
