@@ -168,9 +168,7 @@ def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
 
 
 class ByteCounter(TorchDispatchMode):
-    """Counts the ATen ops run under it and the bytes they move: each op's tensor inputs plus the outputs
-    it writes (new storages, or inputs it writes in place). A pure view (outputs alias an input, nothing
-    written) moves nothing. Works on fake tensors."""
+    """Counts the ATen ops run under it and the bytes they move (:func:`op_traffic`). Works on fake tensors."""
 
     def __init__(self):
         super().__init__()
@@ -183,13 +181,21 @@ class ByteCounter(TorchDispatchMode):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         written = [t for v in written_arguments(func, args, kwargs) for t in tree_leaves(v)
                    if isinstance(t, torch.Tensor)]
-        in_keys = {t.untyped_storage()._cdata for t in inputs}
-        fresh = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                 and t.untyped_storage()._cdata not in in_keys]
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.ops += 1
-        if fresh or written:
-            self.bytes_moved += sum(_nbytes(t) for t in [*inputs, *fresh, *written])
+        self.bytes_moved += op_traffic(inputs, written, outputs)
         return out
+
+
+def op_traffic(inputs: list[torch.Tensor], written: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """The bytes one ATen op moves: its tensor ``inputs`` plus what it writes (``outputs`` on new storages,
+    and the arguments it writes in place, ``written``). A pure view (outputs alias an input, nothing
+    written) moves nothing."""
+    in_keys = {t.untyped_storage()._cdata for t in inputs}
+    fresh = [t for t in outputs if t.untyped_storage()._cdata not in in_keys]
+    if not fresh and not written:
+        return 0
+    return sum(_nbytes(t) for t in [*inputs, *fresh, *written])
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -256,4 +262,4 @@ def measure_seconds(op: Callable[..., Any], fake_args: tuple, fake_kwargs: dict,
 
 
 __all__ = ["ByteCounter", "DeviceSpeed", "MEASURE_REPEATS", "TIME_MODELS", "T_SECONDS", "device_speed",
-           "measure_seconds", "op_key", "real_like"]
+           "measure_seconds", "op_key", "op_traffic", "real_like"]

@@ -42,23 +42,21 @@ from __future__ import annotations
 
 import logging
 import operator
-import weakref
 from typing import Any
 
 import networkx as nx
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._pytree import tree_map
 
 from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after
 from fxplan.costgraph import CostGraph
-from fxplan.effects import ordering_edges, written_arguments
+from fxplan.effects import ordering_edges
 from fxplan.errors import FxplanError, TraceError
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
-from fxplan.timecost import T_SECONDS, TIME_MODELS, ByteCounter, device_speed, measure_seconds
+from fxplan.op_census import NewStorages, NodeCensus, tensors
+from fxplan.timecost import T_SECONDS, TIME_MODELS, device_speed, measure_seconds
 
 logger = logging.getLogger("fxplan")
 
@@ -168,25 +166,6 @@ def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict[str, 
     return values
 
 
-class _MutationRecorder(TorchDispatchMode):
-    """Notes which buffers the ops it sees write in place (:func:`fxplan.effects.written_arguments`),
-    whatever module class runs them."""
-
-    def __init__(self, buffers: dict[int, tuple[str, ...]]):
-        super().__init__()
-        self.buffers = buffers
-        self.written: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for value in written_arguments(func, args, kwargs):
-            for t in _tensors(value):
-                for name in self.buffers.get(t.untyped_storage()._cdata, ()):
-                    if name not in self.written:
-                        self.written.append(name)
-        return func(*args, **kwargs)
-
-
 class _NodeRecord:
     __slots__ = ("out_bytes", "flops", "saved_storages", "out_storages", "numel", "alias_storage", "mutates",
                  "bytes_moved", "ops", "device", "call", "forward_rise")
@@ -230,7 +209,7 @@ class _CostPropagator(torch.fx.Interpreter):
 
     def placeholder(self, target, args, kwargs):
         value = super().placeholder(target, args, kwargs)
-        for t in _tensors(value):
+        for t in tensors(value):
             self.input_bytes += t.numel() * t.element_size()
             self.resident_keys.add(t.untyped_storage()._cdata)
         return value
@@ -243,26 +222,22 @@ class _CostPropagator(torch.fx.Interpreter):
         self.grad_start[n.name] = marker.grad_fn._sequence_nr()
         record = _NodeRecord()
         input_storages = {t.untyped_storage()._cdata for a in n.all_input_nodes
-                          for t in _tensors(self.env.get(a))}
+                          for t in tensors(self.env.get(a))}
 
         def pack(t: torch.Tensor):
             s = t.untyped_storage()
             record.saved_storages.setdefault(s._cdata, s.nbytes())
             return t
 
-        flop_counter = FlopCounterMode(display=False)
-        mutations = _MutationRecorder(self.buffer_names)
-        traffic = ByteCounter()
         record.call = self.fetch_args_kwargs_from_env(n)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flop_counter, mutations, traffic, \
-                _NewStorages() as fresh:
+        census = NodeCensus(self.buffer_names)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), census:
             out = super().run_node(n)
-        record.forward_rise = fresh.peak_bytes
-        record.mutates = tuple(mutations.written)
-        record.flops = flop_counter.get_total_flops()
-        record.bytes_moved, record.ops = traffic.bytes_moved, traffic.ops
-        record.device = next((t.device for t in _tensors((out, record.call))), None)
-        for t in _tensors(out):
+        record.forward_rise = census.peak_bytes
+        record.mutates = tuple(census.written)
+        record.flops, record.bytes_moved, record.ops = census.flops, census.bytes_moved, census.ops
+        record.device = next((t.device for t in tensors((out, record.call))), None)
+        for t in tensors(out):
             key = t.untyped_storage()._cdata
             record.out_bytes += t.numel() * t.element_size()
             record.numel += t.numel()
@@ -270,7 +245,7 @@ class _CostPropagator(torch.fx.Interpreter):
             if key in input_storages:
                 record.alias_storage = key
         self.records[n.name] = record
-        self.grad_fns[n.name] = {t.grad_fn for t in _tensors(out) if t.grad_fn is not None}
+        self.grad_fns[n.name] = {t.grad_fn for t in tensors(out) if t.grad_fn is not None}
         return out
 
     def release(self) -> None:
@@ -301,6 +276,7 @@ class _CostPropagator(torch.fx.Interpreter):
         """
         rises: dict[str, int] = {}
         known: dict[tuple, int] = {}  # a repeated layer's nodes are run once (_call_key)
+        detached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(value): (value, its detached leaf)
         for node in self.module.graph.nodes:
             if node.op not in COMPUTE_OPS or not self.grad_fns.get(node.name):
                 continue
@@ -308,7 +284,7 @@ class _CostPropagator(torch.fx.Interpreter):
             if key is None or key not in known:
                 with self.fake_mode:
                     try:
-                        rise = self._backward_rise(node)
+                        rise = self._backward_rise(node, detached)
                     except Exception as exc:  # noqa: BLE001 (an in-place op on an input, an op fake tensors
                         # cannot run again: no estimate; the replay only ranks plans, measured in the end)
                         logger.debug("no backward estimate for %s: %s", node.name, exc)
@@ -353,24 +329,35 @@ class _CostPropagator(torch.fx.Interpreter):
             return None
         return key
 
-    def _backward_rise(self, node: torch.fx.Node) -> int:
+    def _backward_rise(self, node: torch.fx.Node, detached: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """The rise of one node's backward (:meth:`backward_rises`). ``detached`` holds the leaves made so
+        far: a value many nodes read (a DenseNet's features, read by every later concatenation) is detached
+        once; within one node, a value read twice gets a leaf per read, as each read has its own gradient."""
         leaves: list[torch.Tensor] = []
+        used: set[int] = set()
 
         def leaf(t):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                leaves.append(t.detach().requires_grad_())
-                return leaves[-1]
-            return t
+            if not (isinstance(t, torch.Tensor) and t.requires_grad):
+                return t
+            if id(t) in used or id(t) not in detached:
+                made = t.detach().requires_grad_()
+                if id(t) in used:
+                    leaves.append(made)
+                    return made
+                detached[id(t)] = (t, made)  # the value itself is held, so that its id is not reused
+            used.add(id(t))
+            leaves.append(detached[id(t)][1])
+            return leaves[-1]
 
         args, kwargs = tree_map(leaf, self.fetch_args_kwargs_from_env(node))
         out = getattr(self, node.op)(node.target, args, kwargs)
         if node.op == "call_module":
             leaves += [p for p in self.module.get_submodule(str(node.target)).parameters() if p.requires_grad]
-        outs = [t for t in _tensors(out) if t.grad_fn is not None]
+        outs = [t for t in tensors(out) if t.grad_fn is not None]
         if not outs or not leaves:
             return 0
         seeds = [torch.ones_like(t) for t in outs]
-        with _NewStorages() as tracker:
+        with NewStorages() as tracker:
             torch.autograd.grad(outs, leaves, seeds, allow_unused=True)
         return tracker.peak_bytes
 
@@ -395,45 +382,6 @@ class _CostPropagator(torch.fx.Interpreter):
         return grad_inputs, frozenset(passes)
 
 
-class _NewStorages(TorchDispatchMode):
-    """The most bytes live at once inside the ``with`` block beyond those live when it began (``peak_bytes``):
-    storages it creates, less those made before it that it frees; a view of a tensor made before it (an
-    op's output sharing an input's storage) is not new."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = self.peak_bytes = 0
-        self._live: dict[int, int] = {}
-        self._old: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in _tensors((args, kwargs)):
-            storage = t.untyped_storage()
-            key = storage._cdata
-            if key not in self._live and key not in self._old:
-                self._old.add(key)
-                weakref.finalize(storage, self._release_old, key, storage.nbytes())
-        out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
-            storage = t.untyped_storage()
-            key = storage._cdata
-            if key not in self._live and key not in self._old:
-                self._live[key] = storage.nbytes()
-                self.current += storage.nbytes()
-                self.peak_bytes = max(self.peak_bytes, self.current)
-                weakref.finalize(storage, self._release, key)
-        return out
-
-    def _release(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-    def _release_old(self, key: int, nbytes: int) -> None:
-        # a storage made before the block and freed in it (a saved tensor let go of mid-backward) lowers
-        # the total, and its address may then be reused by a new one
-        self._old.discard(key)
-        self.current -= nbytes
-
-
 def _reached(start_fns: set, first: int) -> set:
     """The autograd nodes created before sequence number ``first`` (by earlier graph nodes) that are
     reached from ``start_fns`` through autograd nodes created at or after it (those of the node being
@@ -450,10 +398,6 @@ def _reached(start_fns: set, first: int) -> set:
             continue
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return reached
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: str) -> CostGraph:
