@@ -40,7 +40,7 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     memo: dict[int, Any] = {}
     for p in model.parameters():
         if id(p) not in memo:
-            fake = torch.nn.Parameter(_fresh(p.detach(), fake_mode), requires_grad=p.requires_grad)
+            fake = _fake_parameter(p, fake_mode)
             if p.grad is not None:
                 fake.grad = _fresh(p.grad, fake_mode)
             memo[id(p)] = fake
@@ -48,6 +48,15 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
         if id(b) not in memo:
             memo[id(b)] = _fresh(b, fake_mode)
     return copy.deepcopy(model, memo)
+
+
+def _fake_parameter(p: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
+    """A fake parameter like ``p``: what ``nn.Parameter(fake)`` returns for a tensor subclass (the fake tensor
+    itself, flagged as a parameter), without the detach through the fake mode it makes on the way (on a
+    10,000-node model with 12,000 parameters, about 2 s of the trace)."""
+    fake = _fresh(p.detach(), fake_mode).requires_grad_(p.requires_grad)
+    fake._is_param = True  # as nn.Parameter.__new__ marks a subclass instance; isinstance(fake, Parameter) holds
+    return fake
 
 
 def _fresh(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
