@@ -11,8 +11,9 @@ whatever the plan, so its time does not enter the objective):
   (a float32 matrix product, a large copy and a tiny addition; well under a second) and kept in a
   cache file, so every process on the machine plans with the same costs. Works on fake tensors, so
   planning a model far larger than the machine still gets seconds.
-  Bytes moved are counted per ATen op (:class:`ByteCounter`): the bytes of its tensor inputs plus the
-  bytes of the outputs it writes; pure views move nothing.
+  Bytes moved are counted per ATen op (:func:`op_traffic`: the bytes of its tensor inputs plus the
+  bytes of the outputs it writes; pure views move nothing); the trace counts them in its one dispatch
+  mode (:class:`fxplan.op_census.NodeCensus`), :class:`ByteCounter` alone.
 * ``"measured"``: the node's forward run on real random tensors of its shapes on its device (one
   warm-up, median of :data:`MEASURE_REPEATS`), cached per op, shapes, dtypes and device so that the
   repeated layers of a network are timed once (:func:`measure_seconds`). The user's modules are
