@@ -214,10 +214,34 @@ def export_after(model: torch.nn.Module, call: ExampleCall, fx_error: TraceError
 
 
 def symbolic_trace_module(model: torch.nn.Module) -> fx.GraphModule:
-    """``symbolic_trace`` at module granularity, as a GraphModule owning all of ``model``'s state."""
+    """``symbolic_trace`` at module granularity, as a GraphModule owning all of ``model``'s state.
+
+    A submodule whose Python code updates its own buffers in place (a BatchNorm subclass counting
+    ``num_batches_tracked``, timm's ``BatchNormAct2d``, a module keeping running statistics) is kept as
+    one leaf node, as torch.nn's modules are: tracing into it would run the updates once, at trace time,
+    and leave them out of the graph; as a leaf it runs its own code at every call. Updates made by the
+    root module, or by a module to another's buffers, still refuse the trace (``TraceError``).
+    """
     if isinstance(model, fx.GraphModule):
         return model
-    tracer = _LocatingTracer()
+    leaves: set[str] = set()
+    while True:
+        graph, constants, changed = _trace_once(model, leaves)
+        owners = {name.rpartition(".")[0] for name in changed}
+        if not changed:
+            return owning_graph_module(model, graph, constants)
+        if "" in owners or owners <= leaves:
+            raise TraceError(
+                f"tracing ran in-place updates of buffers {changed[:3]} in Python (e.g. a module counting "
+                "calls in a buffer of the model itself), so the graph would miss them"
+            )
+        leaves |= owners
+
+
+def _trace_once(model: torch.nn.Module, leaves: set[str]) -> tuple[fx.Graph, dict[str, Any], list[str]]:
+    """The graph of one ``symbolic_trace`` with the modules at the paths ``leaves`` kept as leaves, the tensor
+    constants the tracer made, and the buffers tracing updated in place (put back as they were)."""
+    tracer = _LocatingTracer(leaves)
     had = set(model.__dict__)
     buffers = {name: (b, b._version, b.detach().clone() if _has_values(b) else None)
                for name, b in model.named_buffers()}
@@ -233,12 +257,7 @@ def symbolic_trace_module(model: torch.nn.Module) -> fx.GraphModule:
         # The tracer stores tensor constants (``_tensor_constant0``) on the model it traces: move them off.
         constants = {k: model.__dict__.pop(k) for k in set(model.__dict__) - had}
         changed = _restore(buffers)
-    if changed:
-        raise TraceError(
-            f"tracing ran in-place updates of buffers {changed[:3]} in Python (e.g. a BatchNorm subclass "
-            "counting batches), so the graph would miss them"
-        )
-    return owning_graph_module(model, graph, constants)
+    return graph, constants, changed
 
 
 def _restore(buffers: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[str]:
@@ -265,11 +284,16 @@ def _has_values(t: torch.Tensor) -> bool:
 
 
 class _LocatingTracer(fx.Tracer):
-    """A tracer that remembers the module path it is inside, to name it when tracing fails."""
+    """A tracer that remembers the module path it is inside, to name it when tracing fails, and keeps the
+    modules at the paths ``leaves`` as leaves besides torch.nn's."""
 
-    def __init__(self):
+    def __init__(self, leaves: set[str]):
         super().__init__()
         self.fxplan_path: list[str] = []
+        self.fxplan_leaves = leaves
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.fxplan_leaves or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m, forward, args, kwargs):
         self.fxplan_path.append(self.path_of_module(m) or type(m).__name__)

@@ -86,8 +86,9 @@ class NodeCensus(NewStorages):
     """:class:`NewStorages`, and the FLOPs, ops, bytes moved and buffers written of the ops run under it.
 
     ``buffer_names`` maps a storage (``_cdata``) to the names of the buffers on it; ``written`` lists those
-    written, in the order first written. An op without a FLOP formula that decomposes into ops with one
-    is counted through them, as ``torch.utils.flop_counter.FlopCounterMode`` counts it.
+    written, in the order first written; ``written_storages`` holds every storage written in place. FLOPs
+    are counted as ``torch.utils.flop_counter.FlopCounterMode`` counts them: an op that decomposes is
+    counted through the ops it decomposes into.
     """
 
     def __init__(self, buffer_names: dict[int, tuple[str, ...]]):
@@ -95,6 +96,7 @@ class NodeCensus(NewStorages):
         self.buffer_names = buffer_names
         self.flops = self.bytes_moved = self.ops = 0
         self.written: list[str] = []
+        self.written_storages: set[int] = set()  # every storage written in place (``_cdata``)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,6 +104,7 @@ class NodeCensus(NewStorages):
         self._note_old(inputs)
         written = tensors(written_arguments(func, args, kwargs))
         for t in written:
+            self.written_storages.add(t.untyped_storage()._cdata)
             for name in self.buffer_names.get(t.untyped_storage()._cdata, ()):
                 if name not in self.written:
                     self.written.append(name)

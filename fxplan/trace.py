@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_map
 
 from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after
 from fxplan.costgraph import CostGraph
-from fxplan.effects import ordering_edges
+from fxplan.effects import mutated_position, ordering_edges
 from fxplan.errors import FxplanError, TraceError
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 from fxplan.op_census import NewStorages, NodeCensus, tensors
@@ -233,6 +233,10 @@ class _CostPropagator(torch.fx.Interpreter):
         census = NodeCensus(self.buffer_names)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), census:
             out = super().run_node(n)
+        if n.op == "call_module" and census.written_storages & input_storages \
+                and mutated_position(n, self.module) is None:
+            raise TraceError(f"module '{n.target}' writes one of its inputs in place, which fxplan cannot see "
+                             "from the module (no inplace=True): a plan could recompute from the written value")
         record.forward_rise = census.peak_bytes
         record.mutates = tuple(census.written)
         record.flops, record.bytes_moved, record.ops = census.flops, census.bytes_moved, census.ops

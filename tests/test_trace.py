@@ -158,6 +158,61 @@ def test_a_buffer_update_that_leaves_the_value_as_it_was_is_not_lost_by_tracing(
     assert_rewrite_exact(model, x, None)  # the running mean decays in every step, as in the original
 
 
+class BatchNormAct(nn.BatchNorm2d):
+    """A BatchNorm subclass with its activation, as timm's ``BatchNormAct2d``: counts batches in Python."""
+
+    def forward(self, x):
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        return torch.relu(nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                                   self.bias, self.training, self.momentum, self.eps))
+
+
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.tanh(x)
+
+
+class ScalesItsInput(CountsCalls):
+    """Writes its input in place, with no ``inplace=True`` that would tell the rewriter."""
+
+    def forward(self, x):
+        self.calls.add_(1)
+        x.mul_(2)
+        return x + 1
+
+
+class BufferUpdatingLayers(nn.Module):
+    def __init__(self, middle: nn.Module):
+        super().__init__()
+        self.conv1, self.bn, self.middle = nn.Conv2d(3, 4, 3, padding=1), BatchNormAct(4), middle
+        self.conv2, self.conv3 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv3(torch.relu(self.conv2(self.bn(self.middle(self.conv1(x))))))
+
+
+def test_submodules_that_update_their_own_buffers_are_traced_as_leaves():
+    # tracing into them would run their buffer updates once, at trace time; as leaves they run every call
+    model, x = BufferUpdatingLayers(CountsCalls()), (torch.randn(4, 3, 8, 8),)
+    cg = trace(model, x)
+    assert cg.graph["captured"].method == "symbolic_trace"
+    assert {"bn", "middle"} <= {d["target"] for _, d in cg.nodes(data=True)}
+    assert set(cg.nodes["middle"]["mutates"]) == {"middle.calls"}
+    assert assert_rewrite_exact(model, x, None).fxplan_plan.num_segments > 1
+
+
+def test_a_leaf_that_writes_its_input_in_place_is_captured_by_export():
+    model, x = BufferUpdatingLayers(ScalesItsInput()), (torch.randn(4, 3, 8, 8),)
+    assert trace(model, x).graph["captured"].method == "torch.export"
+    assert_rewrite_exact(model, x, None)
+
+
 _DEEP_TRACE = """
 import torch
 from torch import nn
