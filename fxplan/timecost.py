@@ -12,8 +12,8 @@ whatever the plan, so its time does not enter the objective):
   cache file, so every process on the machine plans with the same costs. Works on fake tensors, so
   planning a model far larger than the machine still gets seconds.
   Bytes moved are counted per ATen op (:func:`op_traffic`: the bytes of its tensor inputs plus the
-  bytes of the outputs it writes; pure views move nothing); the trace counts them in its one dispatch
-  mode (:class:`fxplan.op_census.NodeCensus`), :class:`ByteCounter` alone.
+  bytes of the outputs it writes; pure views move nothing), in the trace's one dispatch mode
+  (:class:`fxplan.op_census.NodeCensus`).
 * ``"measured"``: the node's forward run on real random tensors of its shapes on its device (one
   warm-up, median of :data:`MEASURE_REPEATS`), cached per op, shapes, dtypes and device so that the
   repeated layers of a network are timed once (:func:`measure_seconds`). The user's modules are
@@ -38,10 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
-
-from fxplan.effects import written_arguments
 
 logger = logging.getLogger("fxplan")
 
@@ -168,26 +165,6 @@ def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
 # ---------------------------------------------------------------------------------------- bytes moved
 
 
-class ByteCounter(TorchDispatchMode):
-    """Counts the ATen ops run under it and the bytes they move (:func:`op_traffic`). Works on fake tensors."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes_moved = 0
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        written = [t for v in written_arguments(func, args, kwargs) for t in tree_leaves(v)
-                   if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.ops += 1
-        self.bytes_moved += op_traffic(inputs, written, outputs)
-        return out
-
-
 def op_traffic(inputs: list[torch.Tensor], written: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
     """The bytes one ATen op moves: its tensor ``inputs`` plus what it writes (``outputs`` on new storages,
     and the arguments it writes in place, ``written``). A pure view (outputs alias an input, nothing
@@ -262,5 +239,5 @@ def measure_seconds(op: Callable[..., Any], fake_args: tuple, fake_kwargs: dict,
     return _MEASURED[key]
 
 
-__all__ = ["ByteCounter", "DeviceSpeed", "MEASURE_REPEATS", "TIME_MODELS", "T_SECONDS", "device_speed",
+__all__ = ["DeviceSpeed", "MEASURE_REPEATS", "TIME_MODELS", "T_SECONDS", "device_speed",
            "measure_seconds", "op_key", "op_traffic", "real_like"]

@@ -1,4 +1,4 @@
-"""fxplan.op_census: the trace's one dispatch mode counts what the four separate counters it replaced count."""
+"""fxplan.op_census: the trace's one dispatch mode counts what separate counters count."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxplan.effects import written_arguments
 from fxplan.op_census import NewStorages, NodeCensus, tensors
-from fxplan.timecost import ByteCounter
+from fxplan.timecost import op_traffic
 
 
 class Mixed(nn.Module):
@@ -29,6 +32,23 @@ class Mixed(nn.Module):
         return (a * torch.exp(a)).sum()                       # exp(a) is freed before the op ends
 
 
+class _Traffic(TorchDispatchMode):
+    """The ops run and the bytes they move, counted on their own (pytree's flattening)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.bytes_moved = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        written = [t for t in tree_leaves(written_arguments(func, args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.ops += 1
+        self.bytes_moved += op_traffic(leaves, written, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+        return out
+
+
 def _buffer_names(model: nn.Module) -> dict[int, tuple[str, ...]]:
     names: dict[int, tuple[str, ...]] = {}
     for name, b in model.named_buffers():
@@ -43,7 +63,7 @@ def test_node_census_counts_what_the_separate_counters_count():
         x = torch.randn(2, 4, 6, 6)
     census = NodeCensus(_buffer_names(model))
     with mode:
-        flops, traffic, fresh = FlopCounterMode(display=False), ByteCounter(), NewStorages()
+        flops, traffic, fresh = FlopCounterMode(display=False), _Traffic(), NewStorages()
         with flops, traffic, fresh:
             model(x)
         separate = (flops.get_total_flops(), traffic.ops, traffic.bytes_moved, fresh.peak_bytes)

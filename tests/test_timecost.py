@@ -12,8 +12,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxplan import timing
 from fxplan.errors import FxplanError
+from fxplan.op_census import NodeCensus
 from fxplan.plans import Plan
-from fxplan.timecost import T_SECONDS, ByteCounter, device_speed, op_key
+from fxplan.timecost import T_SECONDS, device_speed, op_key
 from fxplan.timing import describe_ratio, fixed_threads, quartiles, time_interleaved
 from fxplan.trace import trace
 
@@ -32,16 +33,16 @@ class Block(nn.Module):
 
 def test_bytes_moved_per_aten_op():
     x = torch.randn(1000)
-    with ByteCounter() as c:
+    with NodeCensus({}) as c:
         torch.relu(x)
     assert (c.ops, c.bytes_moved) == (1, 8000)  # reads 4000 bytes, writes 4000
-    with ByteCounter() as c:
+    with NodeCensus({}) as c:
         x.view(10, 100)
     assert (c.ops, c.bytes_moved) == (1, 0)      # a view moves nothing
-    with ByteCounter() as c:
+    with NodeCensus({}) as c:
         x.relu_()
     assert c.bytes_moved == 8000                 # in place: reads and writes its input
-    with FakeTensorMode() as mode, ByteCounter() as c:
+    with FakeTensorMode() as mode, NodeCensus({}) as c:
         mode.from_tensor(x) + 1
     assert c.bytes_moved == 8000                 # counted on fake tensors alike
 
