@@ -343,15 +343,15 @@ class _CostPropagator(torch.fx.Interpreter):
         def leaf(t):
             if not (isinstance(t, torch.Tensor) and t.requires_grad):
                 return t
-            if id(t) in used or id(t) not in detached:
+            if id(t) in used:  # read again by this node: a leaf of its own
                 made = t.detach().requires_grad_()
-                if id(t) in used:
-                    leaves.append(made)
-                    return made
-                detached[id(t)] = (t, made)  # the value itself is held, so that its id is not reused
-            used.add(id(t))
-            leaves.append(detached[id(t)][1])
-            return leaves[-1]
+            else:
+                if id(t) not in detached:  # the value itself is held, so that its id is not reused
+                    detached[id(t)] = (t, t.detach().requires_grad_())
+                made = detached[id(t)][1]
+                used.add(id(t))
+            leaves.append(made)
+            return made
 
         args, kwargs = tree_map(leaf, self.fetch_args_kwargs_from_env(node))
         out = getattr(self, node.op)(node.target, args, kwargs)

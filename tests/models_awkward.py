@@ -133,6 +133,18 @@ def _x(*shape):
     return lambda: (torch.randn(*shape),)
 
 
+class StepCounter(nn.Module):
+    """Counts its calls in a buffer (like a power-iteration vector, an EMA, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return x * 2.0
+
+
 class RunningMean(nn.Module):
     """Keeps a running mean in a buffer, updated in place in two steps; the first leaves its initial zeros
     as they are, so only the buffer's version counter shows that tracing ran it."""

@@ -15,6 +15,7 @@ from models_awkward import (
     BNNet,
     InplaceZoo,
     RunningMean,
+    StepCounter,
     assert_same_training,
     chunks,
     compute_names,
@@ -322,18 +323,6 @@ def test_inplace_op_that_cannot_move_is_made_out_of_place():
     assert "l1_copy = l1.clone()" in opt.segment_1.code
     assert "inplace = True" in opt.segment_1.code  # still the in-place op, on a private copy
     assert_same_training(copy.deepcopy(model), opt, (torch.randn(5, 6),))
-
-
-class StepCounter(nn.Module):
-    """Counts its calls in a buffer (like a power-iteration vector, an EMA, ...)."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        self.steps.add_(1)
-        return x * 2.0
 
 
 class _CounterLeaf(fx.Tracer):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torchvision
-from models_awkward import RunningMean
+from models_awkward import RunningMean, StepCounter
 from reach_checks import assert_rewrite_exact
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -168,21 +168,11 @@ class BatchNormAct(nn.BatchNorm2d):
                                                    self.bias, self.training, self.momentum, self.eps))
 
 
-class CountsCalls(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        self.calls.add_(1)
-        return torch.tanh(x)
-
-
-class ScalesItsInput(CountsCalls):
+class ScalesItsInput(StepCounter):
     """Writes its input in place, with no ``inplace=True`` that would tell the rewriter."""
 
     def forward(self, x):
-        self.calls.add_(1)
+        self.steps.add_(1)
         x.mul_(2)
         return x + 1
 
@@ -199,11 +189,11 @@ class BufferUpdatingLayers(nn.Module):
 
 def test_submodules_that_update_their_own_buffers_are_traced_as_leaves():
     # tracing into them would run their buffer updates once, at trace time; as leaves they run every call
-    model, x = BufferUpdatingLayers(CountsCalls()), (torch.randn(4, 3, 8, 8),)
+    model, x = BufferUpdatingLayers(StepCounter()), (torch.randn(4, 3, 8, 8),)
     cg = trace(model, x)
     assert cg.graph["captured"].method == "symbolic_trace"
     assert {"bn", "middle"} <= {d["target"] for _, d in cg.nodes(data=True)}
-    assert set(cg.nodes["middle"]["mutates"]) == {"middle.calls"}
+    assert set(cg.nodes["middle"]["mutates"]) == {"middle.steps"}
     assert assert_rewrite_exact(model, x, None).fxplan_plan.num_segments > 1
 
 
