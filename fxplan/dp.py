@@ -260,13 +260,19 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
     if fam is not None:
         found = _family_run(ctx, fam, objective, budget, max_sets)
         return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
-    if engine == "auto" and objective == "time" and budget is not None and hasattr(ctx.bm, "time_terms"):
+    if engine == "auto" and (budget is not None or objective == "peak") and hasattr(ctx.bm, "time_terms"):
         limit = min(COMPILED_FAMILY_LIMIT, max_states or COMPILED_FAMILY_LIMIT)
         fam = ctx.family(True, limit)
         if fam is not None and fam.S <= limit:
-            from fxplan.time_kernel import least_overhead_chain  # numba: imported when first needed
+            from fxplan import time_kernel  # numba: imported when first needed
 
-            found = least_overhead_chain(ctx, fam, budget, _EPS, time_limit)
+            if objective == "peak":
+                start = _run(ctx, "peak", None, False, engine, time_limit, max_states)[0]
+                found = time_kernel.least_peak_chain(ctx, fam, [fam.sets.index(L) for L in start], _EPS,
+                                                     time_limit)
+            else:
+                found = time_kernel.least_overhead_chain(ctx, fam, budget, _EPS, time_limit,
+                                                         maximise=objective == "memory")
             return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
         if fam is None:
             ctx.families.pop("exact")

@@ -66,17 +66,20 @@ def _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, in
 
 
 @njit(cache=True, error_model="numpy")
-def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, mx_node, oe_ptr, oe_u, oe_w,
+def _time_dp(budget, eps, tol, W, by_w, rank_w, size, bits, first_out, last_in, mx_ptr, mx_node, oe_ptr, oe_u, oe_w,
              oe_saver, into, out_of, MB, TA, M, table, log2, bytes_max, out_grad, in_grad, transient, last_free,
-             j_lo, j_hi, m, par, bound):
+             maximise, j_lo, j_hi, m, par, bound, reached, reached_in_block):
     """Parents of the least-cache plans (module docstring), -1 where a set is unreachable; the last set's
-    parent is the plan's last recomputed set. ``by_w``: the sets sorted by ``W``; ``last_free``: the move into
-    the last set (V) is not recomputed. Sources are scanned ∅ first, then by ``W``; the first of least
-    (overhead, cache) is kept. A set that ∅ reaches in one move caches M(∂(L)), the least any plan can, so
-    no other source is scanned for it; nor for the last set once ∅ reaches it (no overhead at all). Sets
-    of more overhead than one known to end a plan (``bound[0]``) are skipped: overheads grow along a plan.
-    Fills ``m`` (least cache) and ``par`` for the sets ``j_lo`` .. ``j_hi`` - 1, so that a caller can stop
-    between calls."""
+    parent is the plan's last recomputed set. ``by_w``: the sets sorted by ``W``, ``rank_w`` each set's place
+    there; ``last_free``: the move into the last set (V) is not recomputed. Sources are scanned ∅ first, then
+    by ``W``; the first of least (overhead, cache) is kept, or with ``maximise`` (the memory-centric plan) of
+    greatest overhead, then least cache. A set that ∅ reaches in one move caches M(∂(L)), the least any plan
+    can, so no other source is scanned for it; nor, when minimising, for the last set once ∅ reaches it (no
+    overhead at all). When minimising, sets of more overhead than one known to end a plan (``bound[0]``) are
+    skipped: overheads grow along a plan. ``reached`` (by rank) marks the sets reached so far and
+    ``reached_in_block`` counts them per 64 ranks, so that a scan skips unreached sources 64 at a time (near
+    the smallest budget few sets are reachable). Fills ``m`` (least cache) and ``par`` for the sets ``j_lo``
+    .. ``j_hi`` - 1, so that a caller can stop between calls."""
     S = len(size)
     w_sorted = W[by_w]
     for j in range(j_lo, j_hi):
@@ -88,34 +91,42 @@ def _time_dp(budget, eps, tol, W, by_w, size, bits, first_out, last_in, mx_ptr, 
                         table, log2, bytes_max, out_grad, in_grad, transient)
         if F <= budget + eps:
             best_a, best_m, best_i = (0.0 if last else TA[j]), MB[j], 0
-        if best_i < 0:
+        if best_i < 0 or (last and maximise):
             lo_q = np.searchsorted(w_sorted, W[j] - budget - tol)
             hi_q = np.searchsorted(w_sorted, W[j] + tol, side="right")
-            for q in range(lo_q, hi_q):
-                i = by_w[q]
-                if i == 0 or size[i] >= size[j] or m[i] == np.inf or m[i] + (W[j] - W[i]) > budget + eps + tol:
+            for blk in range(lo_q >> 6, ((hi_q - 1) >> 6) + 1):
+                if reached_in_block[blk] == 0:
                     continue
-                a = TA[i] if last else TA[j]
-                # what this move can cache at least (∂(L_i) staying on ∂(L_j) is at most M(∂(L_i)))
-                if a > best_a + eps or (a >= best_a - eps and m[i] - MB[i] + MB[j] >= best_m - eps):
-                    continue
-                subset = True
-                for t in range(mx_ptr[i], mx_ptr[i + 1]):
-                    if not _member(bits, j, mx_node[t]):
-                        subset = False
-                        break
-                if not subset:
-                    continue
-                F, kept = _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of,
-                                M, table, log2, bytes_max, out_grad, in_grad, transient)
-                if m[i] + F > budget + eps:
-                    continue
-                cache = m[i] + MB[j] - kept
-                if a < best_a - eps or cache < best_m - eps:
-                    best_a, best_m, best_i = a, cache, i
+                for q in range(max(lo_q, blk << 6), min(hi_q, (blk + 1) << 6)):
+                    if not reached[q]:
+                        continue
+                    i = by_w[q]
+                    if size[i] >= size[j] or m[i] + (W[j] - W[i]) > budget + eps + tol:
+                        continue
+                    a = (-TA[i] if maximise else TA[i]) if last else TA[j]
+                    # what this move can cache at least (∂(L_i) staying on ∂(L_j) is at most M(∂(L_i)))
+                    if a > best_a + eps or (a >= best_a - eps and m[i] - MB[i] + MB[j] >= best_m - eps):
+                        continue
+                    subset = True
+                    for t in range(mx_ptr[i], mx_ptr[i + 1]):
+                        if not _member(bits, j, mx_node[t]):
+                            subset = False
+                            break
+                    if not subset:
+                        continue
+                    F, kept = _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into,
+                                    out_of, M, table, log2, bytes_max, out_grad, in_grad, transient)
+                    if m[i] + F > budget + eps:
+                        continue
+                    cache = m[i] + MB[j] - kept
+                    if a < best_a - eps or cache < best_m - eps:
+                        best_a, best_m, best_i = a, cache, i
         if best_i >= 0:
             m[j], par[j] = best_m, best_i
-            if last_free and not last and TA[j] < bound[0]:
+            rank = rank_w[j]
+            reached[rank] = True
+            reached_in_block[rank >> 6] += 1
+            if last_free and not last and not maximise and TA[j] < bound[0]:
                 F, _ = _move(j, S - 1, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of,
                              M, table, log2, bytes_max, out_grad, in_grad, transient)
                 if best_m + F <= budget + eps:
@@ -136,7 +147,10 @@ class _Arrays:
         self.tol = 1e-9 * (float(np.abs(self.W).max()) + 1.0)
         oe_ptr, oe_u, oe_w, _ = fam.leaving_edges()
         table, log2, bytes_max = fam.range_max_tables(terms["tau"])
-        self.family = (self.W, np.argsort(self.W, kind="stable"), fam.size, fam.bits, fam.first_out, fam.last_in,
+        by_w = np.argsort(self.W, kind="stable")
+        rank_w = np.empty_like(by_w)
+        rank_w[by_w] = np.arange(len(by_w))
+        self.family = (self.W, by_w, rank_w, fam.size, fam.bits, fam.first_out, fam.last_in,
                        fam.mx_ptr, fam.mx_node, oe_ptr, oe_u, oe_w, fam.leaving_edges_saved(*terms["savers"]),
                        terms["into"], terms["out_of"], terms["MB"])
         self.TA = terms["TA"]
@@ -145,23 +159,32 @@ class _Arrays:
         self.last_free = fam.sets[-1] == ix.full
 
 
-def least_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit: float | None = None
-                         ) -> list[int] | None:
+def _arrays(ctx, fam: Family) -> _Arrays:
+    if "time_kernel" not in fam.cache:
+        fam.cache["time_kernel"] = _Arrays(ctx, fam)
+    return fam.cache["time_kernel"]
+
+
+def least_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit: float | None = None,
+                         maximise: bool = False) -> list[int] | None:
     """The time-centric plan of least overhead within ``budget`` over ``fam`` under the planning context
-    ``ctx``'s autograd model (family indices of L_1..L_k, V last), or None if no plan fits. Stops with an
-    :class:`FxplanError` after ``time_limit`` seconds (None: never)."""
+    ``ctx``'s autograd model (family indices of L_1..L_k, V last), or None if no plan fits; with ``maximise``,
+    the plan of greatest overhead within it (the memory-centric plan, section 4.4, run at the smallest
+    budget). Stops with an :class:`FxplanError` after ``time_limit`` seconds (None: never)."""
     t0 = time.perf_counter()
-    a = _Arrays(ctx, fam)
+    a = _arrays(ctx, fam)
     m = np.full(fam.S, np.inf)
     m[0] = 0.0
     par = np.full(fam.S, -1, dtype=np.int64)
     bound = np.full(1, np.inf)  # the least T(L) of a set L reached so far whose move to V fits
+    reached = np.zeros(fam.S, dtype=np.bool_)
+    reached_in_block = np.zeros((fam.S >> 6) + 1, dtype=np.int64)
     for j_lo in range(1, fam.S, CHUNK):
         if time_limit is not None and time.perf_counter() - t0 > time_limit:
             raise FxplanError(f"exact DP stopped after {time_limit:.0f} s ({j_lo:,} of {fam.S:,} lower sets done); "
                               "use the approximate DP (exact=False) or a larger time_limit")
-        _time_dp(float(budget), eps, a.tol, *a.family, a.TA, *a.model, a.last_free, j_lo, min(j_lo + CHUNK, fam.S),
-                 m, par, bound)
+        _time_dp(float(budget), eps, a.tol, *a.family, a.TA, *a.model, a.last_free, maximise, j_lo,
+                 min(j_lo + CHUNK, fam.S), m, par, bound, reached, reached_in_block)
     if par[-1] < 0:
         return None
     chain, k = [fam.S - 1], fam.S - 1
@@ -169,3 +192,34 @@ def least_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit
         k = int(par[k])
         chain.append(k)
     return chain[::-1]
+
+
+def least_peak_chain(ctx, fam: Family, start: list[int], eps: float, time_limit: float | None = None
+                     ) -> list[int]:
+    """The plan of least peak over ``fam`` (the smallest budget, ψ(∅)), from a known plan ``start`` (family
+    indices, e.g. the approximate DP's smallest-budget plan, which is often already the least).
+
+    No plan exists within a budget B exactly when the kernel at B finds none, and any plan it finds peaks at
+    most B, so the least peak (in whole bytes, as the family engine reports it) is found by testing B one
+    byte under the best peak so far: first at growing distances below it, then, once a budget is known to
+    fail, by bisection. Each test near the smallest budget is fast: few sets are reachable there."""
+    from fxplan.family_dp import _chain_costs
+
+    t0 = time.perf_counter()
+
+    def whole_bytes(chain: list[int]) -> int:
+        return int(np.ceil(_chain_costs(ctx, fam, chain)[0] - eps))
+
+    best, high = start, whole_bytes(start)
+    low, gap = -1, 1  # every budget up to ``low`` is known to fail
+    while low + 1 < high:
+        test = high - gap if low < 0 else (low + high) // 2
+        test = max(test, low + 1)
+        left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
+        found = least_overhead_chain(ctx, fam, test, eps, left)
+        if found is None:
+            low = test
+        else:
+            best, high = found, whole_bytes(found)
+            gap *= 2
+    return best

@@ -354,6 +354,28 @@ def test_compiled_exact_dp_equals_the_family_engine(cg, factor):
     check_plan(cg, got, budget)
 
 
+@settings(max_examples=60, deadline=None)
+@given(wider_dags(max_nodes=10))
+def test_compiled_exact_dp_finds_the_smallest_budget_and_the_memory_centric_plan(cg):
+    """Above FAMILY_LIMIT (forced here), the exact DP's smallest budget comes from the compiled kernel's tests
+    of budgets below the approximate DP's, and its memory-centric plan from the kernel maximising the
+    overhead: the family engine's smallest budget, overhead and final cache (exhaustive search: tests above)."""
+    want_budget = dp.min_budget_bytes(cg, exact=True)
+    want = dp.solve(cg, None, strategy="memory", exact=True)
+    old = dp.FAMILY_LIMIT
+    dp.FAMILY_LIMIT = 0
+    try:
+        dp.forget_context(cg)
+        got_budget = dp.min_budget_bytes(cg, exact=True)
+        got = dp.solve(cg, None, strategy="memory", exact=True)
+    finally:
+        dp.FAMILY_LIMIT = old
+    assert got_budget == want_budget
+    assert got.overhead == pytest.approx(want.overhead, rel=1e-9, abs=1e-9)
+    assert _final_cache(cg, got) == pytest.approx(_final_cache(cg, want), rel=1e-9, abs=1e-9)
+    check_plan(cg, got, want_budget)
+
+
 def test_compiled_exact_dp_honours_its_time_limit():
     """The compiled kernel plans CHUNK sets per call and checks the time limit between calls."""
     nodes = ["src"] + [f"c{i}_{j}" for i in range(4) for j in range(8)] + ["sink"]
