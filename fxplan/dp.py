@@ -270,9 +270,10 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
                 start = _run(ctx, "peak", None, False, engine, time_limit, max_states)[0]
                 found = time_kernel.least_peak_chain(ctx, fam, [fam.sets.index(L) for L in start], _EPS,
                                                      time_limit)
+            elif objective == "memory":
+                found = time_kernel.most_overhead_chain(ctx, fam, budget, _EPS, time_limit)
             else:
-                found = time_kernel.least_overhead_chain(ctx, fam, budget, _EPS, time_limit,
-                                                         maximise=objective == "memory")
+                found = time_kernel.least_overhead_chain(ctx, fam, budget, _EPS, time_limit)
             return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
         if fam is None:
             ctx.families.pop("exact")

@@ -68,10 +68,11 @@ def _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, in
 @njit(cache=True, error_model="numpy")
 def _time_dp(budget, eps, tol, W, by_w, rank_w, size, bits, first_out, last_in, mx_ptr, mx_node, oe_ptr, oe_u, oe_w,
              oe_saver, into, out_of, MB, TA, M, table, log2, bytes_max, out_grad, in_grad, transient, last_free,
-             maximise, j_lo, j_hi, m, par, bound, reached, reached_in_block):
+             maximise, target, inside, j_lo, j_hi, m, par, bound, reached, reached_in_block):
     """Parents of the least-cache plans (module docstring), -1 where a set is unreachable; the last set's
     parent is the plan's last recomputed set. ``by_w``: the sets sorted by ``W``, ``rank_w`` each set's place
-    there; ``last_free``: the move into the last set (V) is not recomputed. Sources are scanned ∅ first, then
+    there; ``target``: the last set (V, or a set the plan must pass through), only sets with ``inside`` set
+    (its subsets) are planned; ``last_free``: the move into it is not recomputed. Sources are scanned ∅ first, then
     by ``W``; the first of least (overhead, cache) is kept, or with ``maximise`` (the memory-centric plan) of
     greatest overhead, then least cache. A set that ∅ reaches in one move caches M(∂(L)), the least any plan
     can, so no other source is scanned for it; nor, when minimising, for the last set once ∅ reaches it (no
@@ -80,10 +81,11 @@ def _time_dp(budget, eps, tol, W, by_w, rank_w, size, bits, first_out, last_in, 
     ``reached_in_block`` counts them per 64 ranks, so that a scan skips unreached sources 64 at a time (near
     the smallest budget few sets are reachable). Fills ``m`` (least cache) and ``par`` for the sets ``j_lo``
     .. ``j_hi`` - 1, so that a caller can stop between calls."""
-    S = len(size)
     w_sorted = W[by_w]
-    for j in range(j_lo, j_hi):
-        last = last_free and j == S - 1
+    for j in range(j_lo, min(j_hi, target + 1)):
+        if not inside[j]:
+            continue
+        last = last_free and j == target
         if not last and TA[j] > bound[0] + eps:
             continue
         best_a, best_m, best_i = np.inf, np.inf, -1
@@ -127,7 +129,7 @@ def _time_dp(budget, eps, tol, W, by_w, rank_w, size, bits, first_out, last_in, 
             reached[rank] = True
             reached_in_block[rank >> 6] += 1
             if last_free and not last and not maximise and TA[j] < bound[0]:
-                F, _ = _move(j, S - 1, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of,
+                F, _ = _move(j, target, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of,
                              M, table, log2, bytes_max, out_grad, in_grad, transient)
                 if best_m + F <= budget + eps:
                     bound[0] = TA[j]
@@ -150,9 +152,12 @@ class _Arrays:
         by_w = np.argsort(self.W, kind="stable")
         rank_w = np.empty_like(by_w)
         rank_w[by_w] = np.arange(len(by_w))
+        saver = fam.leaving_edges_saved(*terms["savers"])
         self.family = (self.W, by_w, rank_w, fam.size, fam.bits, fam.first_out, fam.last_in,
-                       fam.mx_ptr, fam.mx_node, oe_ptr, oe_u, oe_w, fam.leaving_edges_saved(*terms["savers"]),
-                       terms["into"], terms["out_of"], terms["MB"])
+                       fam.mx_ptr, fam.mx_node, oe_ptr, oe_u, oe_w, saver, terms["into"], terms["out_of"], terms["MB"])
+        self.move_args = (fam.bits, fam.size, fam.first_out, fam.last_in, oe_ptr, oe_u, oe_w, saver, terms["into"],
+                          terms["out_of"])  # what _move takes after (i, j), before the model's arrays
+        self.MB = terms["MB"]
         self.TA = terms["TA"]
         self.model = (ix.M_np.astype(np.float64), table, log2, bytes_max, float(cfg.out_grad), float(cfg.in_grad),
                       float(cfg.transient))
@@ -165,33 +170,78 @@ def _arrays(ctx, fam: Family) -> _Arrays:
     return fam.cache["time_kernel"]
 
 
-def least_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit: float | None = None,
-                         maximise: bool = False) -> list[int] | None:
-    """The time-centric plan of least overhead within ``budget`` over ``fam`` under the planning context
-    ``ctx``'s autograd model (family indices of L_1..L_k, V last), or None if no plan fits; with ``maximise``,
-    the plan of greatest overhead within it (the memory-centric plan, section 4.4, run at the smallest
-    budget). Stops with an :class:`FxplanError` after ``time_limit`` seconds (None: never)."""
+@njit(cache=True, error_model="numpy")
+def _moves_into(target, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M, table, log2,
+                bytes_max, out_grad, in_grad, transient):
+    """F of every set's move to ``target`` (a superset of them all: V)."""
+    F = np.empty(target)
+    for i in range(target):
+        F[i] = _move(i, target, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M, table,
+                     log2, bytes_max, out_grad, in_grad, transient)[0]
+    return F
+
+
+def _plan(ctx, fam: Family, budget: float, eps: float, time_limit: float | None, maximise: bool = False,
+          target: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(least cache, parent) of every set, of plans ending at ``target`` (default: the last set)."""
     t0 = time.perf_counter()
     a = _arrays(ctx, fam)
+    target = fam.S - 1 if target is None else target
+    inside = ~(fam.bits & ~fam.bits[target]).any(axis=1)
     m = np.full(fam.S, np.inf)
     m[0] = 0.0
     par = np.full(fam.S, -1, dtype=np.int64)
-    bound = np.full(1, np.inf)  # the least T(L) of a set L reached so far whose move to V fits
+    bound = np.full(1, np.inf)  # the least T(L) of a set L reached so far whose move to the target fits
     reached = np.zeros(fam.S, dtype=np.bool_)
     reached_in_block = np.zeros((fam.S >> 6) + 1, dtype=np.int64)
-    for j_lo in range(1, fam.S, CHUNK):
+    for j_lo in range(1, target + 1, CHUNK):
         if time_limit is not None and time.perf_counter() - t0 > time_limit:
             raise FxplanError(f"exact DP stopped after {time_limit:.0f} s ({j_lo:,} of {fam.S:,} lower sets done); "
                               "use the approximate DP (exact=False) or a larger time_limit")
-        _time_dp(float(budget), eps, a.tol, *a.family, a.TA, *a.model, a.last_free, maximise, j_lo,
-                 min(j_lo + CHUNK, fam.S), m, par, bound, reached, reached_in_block)
-    if par[-1] < 0:
-        return None
-    chain, k = [fam.S - 1], fam.S - 1
+        _time_dp(float(budget), eps, a.tol, *a.family, a.TA, *a.model, a.last_free, maximise, target, inside, j_lo,
+                 j_lo + CHUNK, m, par, bound, reached, reached_in_block)
+    return m, par
+
+
+def _chain_to(par: np.ndarray, k: int) -> list[int]:
+    chain = [k]
     while par[k] > 0:
         k = int(par[k])
         chain.append(k)
     return chain[::-1]
+
+
+def least_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit: float | None = None,
+                         maximise: bool = False) -> list[int] | None:
+    """The time-centric plan of least overhead within ``budget`` over ``fam`` under the planning context
+    ``ctx``'s autograd model (family indices of L_1..L_k, V last), or None if no plan fits; with ``maximise``,
+    the plan of greatest overhead within it (the memory-centric plan, section 4.4), of least cache at the end.
+    Stops with an :class:`FxplanError` after ``time_limit`` seconds (None: never)."""
+    par = _plan(ctx, fam, budget, eps, time_limit, maximise)[1]
+    return None if par[-1] < 0 else _chain_to(par, fam.S - 1)
+
+
+def most_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit: float | None = None
+                        ) -> list[int] | None:
+    """The memory-centric plan (section 4.4): the greatest overhead within ``budget`` (the smallest budget), as
+    :func:`least_overhead_chain` with ``maximise``, usually without planning every set.
+
+    Its overhead is T(L) of its last recomputed set L, and a set can be that set only if its boundary and the
+    last move fit: M(∂(L)) + F(L, V) ≤ budget. The set of greatest T(L) among those is tried first: a plan
+    through it whose cache at L leaves room for the last move (the least-overhead plan to L, found as fast
+    as the time-centric plan) is optimal. Only where that plan does not fit are all sets planned, which
+    at the smallest budget takes minutes on GoogLeNet's lattice (and then the plan has the least cache at
+    the end among those of greatest overhead; the first route need not)."""
+    a = _arrays(ctx, fam)
+    V = fam.S - 1
+    to_v = _moves_into(V, *a.move_args, *a.model)
+    possible = np.flatnonzero(a.MB[:V] + to_v <= budget + eps)
+    if possible.size:
+        last = int(possible[np.argmax(a.TA[possible])])
+        m, par = _plan(ctx, fam, budget, eps, time_limit, target=last)
+        if (last == 0 or par[last] >= 0) and m[last] + to_v[last] <= budget + eps:
+            return ([] if last == 0 else _chain_to(par, last)) + [V]
+    return least_overhead_chain(ctx, fam, budget, eps, time_limit, maximise=True)
 
 
 def least_peak_chain(ctx, fam: Family, start: list[int], eps: float, time_limit: float | None = None

@@ -358,8 +358,9 @@ def test_compiled_exact_dp_equals_the_family_engine(cg, factor):
 @given(wider_dags(max_nodes=10))
 def test_compiled_exact_dp_finds_the_smallest_budget_and_the_memory_centric_plan(cg):
     """Above FAMILY_LIMIT (forced here), the exact DP's smallest budget comes from the compiled kernel's tests
-    of budgets below the approximate DP's, and its memory-centric plan from the kernel maximising the
-    overhead: the family engine's smallest budget, overhead and final cache (exhaustive search: tests above)."""
+    of budgets below the approximate DP's, and its memory-centric plan from the kernel (through the set that
+    could end a plan with the greatest overhead, else maximising over all sets): the family engine's smallest
+    budget and overhead (exhaustive search: tests above)."""
     want_budget = dp.min_budget_bytes(cg, exact=True)
     want = dp.solve(cg, None, strategy="memory", exact=True)
     old = dp.FAMILY_LIMIT
@@ -372,7 +373,7 @@ def test_compiled_exact_dp_finds_the_smallest_budget_and_the_memory_centric_plan
         dp.FAMILY_LIMIT = old
     assert got_budget == want_budget
     assert got.overhead == pytest.approx(want.overhead, rel=1e-9, abs=1e-9)
-    assert _final_cache(cg, got) == pytest.approx(_final_cache(cg, want), rel=1e-9, abs=1e-9)
+    assert _final_cache(cg, got) >= _final_cache(cg, want) - 1e-6, "the family engine's is the least"
     check_plan(cg, got, want_budget)
 
 
