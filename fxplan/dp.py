@@ -29,7 +29,8 @@ Two engines:
   :meth:`BoundModel.pair_costs`); the forward DP fills each set's front from all states of its sources in
   one vectorised step. Without a budget ("peak", or "time" with a large one) it runs coarse to fine: a
   sub-family's plan bounds the optimum and so the moves and states the next pass needs.
-* the *search* engine (exact DP on big lattices such as googlenet's 130,121 lower sets) never forms pairs:
+* the *search* engine (exact DP on lattices too big for the family engine that the compiled kernel below
+  does not take: over ``COMPILED_FAMILY_LIMIT`` lower sets, or another memory model) never forms pairs:
   from each reached lower set it enumerates only the supersets whose new segment can fit the budget, by a
   depth-first search that grows the segment and stops as soon as a lower bound on its cost (monotone in the
   segment) exceeds the budget.
@@ -37,7 +38,9 @@ Two engines:
 Under the autograd model a time-centric plan's overhead is the forward time of its last recomputed set, so
 the time-centric DP at a budget needs one state per set: :mod:`fxplan.time_kernel` runs it compiled, for the
 family engine where it would list many moves (``family_dp.KERNEL_MOVES``) and for the exact DP on lattices
-between ``FAMILY_LIMIT`` and ``COMPILED_FAMILY_LIMIT`` sets.
+between ``FAMILY_LIMIT`` and ``COMPILED_FAMILY_LIMIT`` sets. There the kernel also gives the exact DP's
+smallest budget (whether a plan fits a budget is whether the kernel finds one: tested one byte under the
+best peak known, from the approximate DP's, then by bisection) and its memory-centric plan.
 
 Both exact engines stop with an :class:`FxplanError` (use the approximate DP) beyond ``max_states`` lower
 sets, states or moves, and the search engine after ``time_limit`` seconds.
@@ -64,10 +67,10 @@ FAMILY_LIMIT = 20_000
 """Exact DP uses the family engine up to this many lower sets, the search engine above."""
 
 COMPILED_FAMILY_LIMIT = 1_000_000
-"""Above ``FAMILY_LIMIT``, the exact time-centric DP at a budget under a model the compiled kernel of
-:mod:`fxplan.time_kernel` supports (the autograd model) runs it over all lower sets up to this many
-(googlenet's 130,121: about 3 s, enumeration included; per set about 1 KB of Python lists), the search
-engine above. Its smallest budget and memory-centric plans stay with the search engine."""
+"""Above ``FAMILY_LIMIT``, the exact DP under a model the compiled kernel of :mod:`fxplan.time_kernel`
+supports (the autograd model) runs it over all lower sets up to this many (googlenet's 130,121: its
+time-centric plan at a budget, its smallest budget and its memory-centric plan about 3 s each, enumeration
+included; per set about 1 KB of Python lists), the search engine above."""
 
 DEFAULT_TIME_LIMIT = 600.0
 """Seconds after which the exact DP's search engine gives up (FxplanError) unless told otherwise."""
@@ -237,7 +240,8 @@ Solution = tuple[list[int], tuple[int, float, list[int]]]
 
 def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine: str,
          time_limit: float | None, max_states: int | None, max_sets: int | None = None) -> Solution | None:
-    """One DP run: the family engine (approximate, or exact on small lattices), else the search engine.
+    """One DP run: the family engine (approximate, or exact on small lattices), else the compiled kernel (the
+    exact DP on larger lattices, where the model allows), else the search engine.
 
     Returns the plan (bitsets L_1..L_k) with its (peak, overhead, segment peaks), or None.
     """
