@@ -182,9 +182,10 @@ def _moves_into(target, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_s
 
 
 def _plan(ctx, fam: Family, budget: float, eps: float, time_limit: float | None, maximise: bool = False,
-          target: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(least cache, parent) of every set, of plans ending at ``target`` (default: the last set)."""
-    t0 = time.perf_counter()
+          target: int | None = None, started: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(least cache, parent) of every set, of plans ending at ``target`` (default: the last set). The time
+    limit counts from ``started`` (default: now)."""
+    t0 = time.perf_counter() if started is None else started
     a = _arrays(ctx, fam)
     target = fam.S - 1 if target is None else target
     inside = ~(fam.bits & ~fam.bits[target]).any(axis=1)
@@ -212,12 +213,12 @@ def _chain_to(par: np.ndarray, k: int) -> list[int]:
 
 
 def least_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit: float | None = None,
-                         maximise: bool = False) -> list[int] | None:
+                         maximise: bool = False, started: float | None = None) -> list[int] | None:
     """The time-centric plan of least overhead within ``budget`` over ``fam`` under the planning context
     ``ctx``'s autograd model (family indices of L_1..L_k, V last), or None if no plan fits; with ``maximise``,
     the plan of greatest overhead within it (the memory-centric plan, section 4.4), of least cache at the end.
-    Stops with an :class:`FxplanError` after ``time_limit`` seconds (None: never)."""
-    par = _plan(ctx, fam, budget, eps, time_limit, maximise)[1]
+    Stops with an :class:`FxplanError` ``time_limit`` seconds after ``started`` (default: now; None: never)."""
+    par = _plan(ctx, fam, budget, eps, time_limit, maximise, started=started)[1]
     return None if par[-1] < 0 else _chain_to(par, fam.S - 1)
 
 
@@ -232,16 +233,17 @@ def most_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit:
     as the time-centric plan) is optimal. Only where that plan does not fit are all sets planned, which
     at the smallest budget takes minutes on GoogLeNet's lattice (and then the plan has the least cache at
     the end among those of greatest overhead; the first route need not)."""
+    t0 = time.perf_counter()
     a = _arrays(ctx, fam)
     V = fam.S - 1
     to_v = _moves_into(V, *a.move_args, *a.model)
     possible = np.flatnonzero(a.MB[:V] + to_v <= budget + eps)
     if possible.size:
         last = int(possible[np.argmax(a.TA[possible])])
-        m, par = _plan(ctx, fam, budget, eps, time_limit, target=last)
+        m, par = _plan(ctx, fam, budget, eps, time_limit, target=last, started=t0)
         if (last == 0 or par[last] >= 0) and m[last] + to_v[last] <= budget + eps:
             return ([] if last == 0 else _chain_to(par, last)) + [V]
-    return least_overhead_chain(ctx, fam, budget, eps, time_limit, maximise=True)
+    return least_overhead_chain(ctx, fam, budget, eps, time_limit, maximise=True, started=t0)
 
 
 def least_peak_chain(ctx, fam: Family, start: list[int], eps: float, time_limit: float | None = None
@@ -265,11 +267,10 @@ def least_peak_chain(ctx, fam: Family, start: list[int], eps: float, time_limit:
     while low + 1 < high:
         test = high - gap if low < 0 else (low + high) // 2
         test = max(test, low + 1)
-        left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
-        found = least_overhead_chain(ctx, fam, test, eps, left)
+        found = least_overhead_chain(ctx, fam, test, eps, time_limit, started=t0)
         if found is None:
             low = test
-        else:
-            best, high = found, whole_bytes(found)
+        else:  # the kernel's plan fits ``test`` (min: should the float sums round up a byte)
+            best, high = found, min(whole_bytes(found), test)
             gap *= 2
     return best

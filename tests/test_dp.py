@@ -378,7 +378,8 @@ def test_compiled_exact_dp_finds_the_smallest_budget_and_the_memory_centric_plan
 
 
 def test_compiled_exact_dp_honours_its_time_limit():
-    """The compiled kernel plans CHUNK sets per call and checks the time limit between calls."""
+    """The compiled kernel plans CHUNK sets per call and checks the time limit between calls (the smallest budget
+    and the memory-centric plan too)."""
     nodes = ["src"] + [f"c{i}_{j}" for i in range(4) for j in range(8)] + ["sink"]
     edges = [("src", f"c{i}_0") for i in range(4)] + [(f"c{i}_7", "sink") for i in range(4)]
     edges += [(f"c{i}_{j}", f"c{i}_{j + 1}") for i in range(4) for j in range(7)]
@@ -389,6 +390,11 @@ def test_compiled_exact_dp_honours_its_time_limit():
     try:
         with pytest.raises(FxplanError, match="stopped after"):
             dp.solve(cg, budget, exact=True, time_limit=0.0)
+        for smallest in (lambda: dp.min_budget_bytes(cg, exact=True, time_limit=0.0),
+                         lambda: dp.solve(cg, None, strategy="memory", exact=True, time_limit=0.0)):
+            dp.forget_context(cg)
+            with pytest.raises(FxplanError, match="stopped after"):
+                smallest()
         assert dp.solve(cg, budget, exact=True).overhead == pytest.approx(
             dp.solve(cg, budget, exact=True, engine="family").overhead)
     finally:
