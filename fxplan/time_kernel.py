@@ -1,4 +1,4 @@
-"""The time-centric DP of the autograd memory model over a whole family, compiled (numba).
+"""The DPs of the autograd memory model over a whole family that keep one state per set, compiled (numba).
 
 Under a model that recomputes every segment whole but the last (``H(L, L') = T(L' \\ L)``, 0 into V; the
 autograd and sweep models), a plan ∅ ⊊ L_1 ⊊ … ⊊ L_{k-1} ⊊ V has overhead T(L_{k-1}): the sum telescopes.
@@ -16,7 +16,11 @@ reaches thousands of others (10,000 nodes at 30% of the single-segment peak: 8 s
 Here each move is priced where it is examined, in O(|edges leaving L| + |maximal members of L|) plus a
 range maximum, as :meth:`fxplan.memory_model._BoundAutograd.pair_costs` prices it, and nothing is stored
 per move. A source L is examined for L' only if its additive lower bound fits (``lb_weights``, the window
-:meth:`fxplan.family.Family.moves` lists) and it is a subset of L'.
+:meth:`fxplan.family.Family.moves` lists), it was reached, and it is a subset of L'.
+
+The same single-label DP decides whether any plan fits B (the least cache dominates for that too), which
+gives the smallest budget (:func:`least_peak_chain`), and with T(L_{k-1}) maximised instead, the
+memory-centric plan of section 4.4 (:func:`most_overhead_chain`).
 """
 
 from __future__ import annotations
