@@ -377,6 +377,39 @@ def test_compiled_exact_dp_finds_the_smallest_budget_and_the_memory_centric_plan
     check_plan(cg, got, want_budget)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compiled_exact_dp_on_a_wide_lattice(seed):
+    """Parallel chains (2,403 lower sets: side chains like GoogLeNet's auxiliary heads multiply them), random
+    costs: the compiled smallest budget, memory-centric plan and time-centric plan at that budget equal the
+    family engine's (the approximate DP's smallest budget is above the exact one on these seeds)."""
+    rng = np.random.default_rng(seed)
+    chains = [[f"c{i}_{j}" for j in range(6)] for i in range(4)]
+    nodes = ["src", *(v for chain in chains for v in chain), "sink"]
+    edges = [("src", chain[0]) for chain in chains] + [(chain[-1], "sink") for chain in chains]
+    edges += [(a, b) for chain in chains for a, b in zip(chain, chain[1:])]
+    cg = CostGraph.from_edges(nodes, edges, {v: int(rng.integers(1, 1000)) for v in nodes},
+                              {v: int(rng.integers(1, 100)) for v in nodes})
+    for v in nodes[::3]:
+        cg.nodes[v]["saves_output"] = True
+
+    def solves():
+        dp.forget_context(cg)
+        low = dp.min_budget_bytes(cg, exact=True)
+        return low, dp.solve(cg, None, strategy="memory", exact=True), dp.solve(cg, low, exact=True)
+
+    want = solves()
+    old = dp.FAMILY_LIMIT
+    dp.FAMILY_LIMIT = 0
+    try:
+        got = solves()
+    finally:
+        dp.FAMILY_LIMIT = old
+    assert got[0] == want[0]
+    for g, w in zip(got[1:], want[1:]):
+        assert g.overhead == pytest.approx(w.overhead, rel=1e-9, abs=1e-9)
+        check_plan(cg, g, got[0])
+
+
 def test_compiled_exact_dp_honours_its_time_limit():
     """The compiled kernel plans CHUNK sets per call and checks the time limit between calls (the smallest budget
     and the memory-centric plan too)."""
