@@ -37,6 +37,9 @@ from fxplan.sweep_kernel import _member
 CHUNK = 4096
 """Sets planned per compiled call; the time limit is checked between calls."""
 
+LAST_SETS_TRIED = 32
+"""Candidate last sets :func:`most_overhead_chain` tries before it plans every set."""
+
 
 @njit(cache=True, error_model="numpy", inline="always")
 def _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, into, out_of, M, table, log2,
@@ -232,21 +235,27 @@ def most_overhead_chain(ctx, fam: Family, budget: float, eps: float, time_limit:
     :func:`least_overhead_chain` with ``maximise``, usually without planning every set.
 
     Its overhead is T(L) of its last recomputed set L, and a set can be that set only if its boundary and the
-    last move fit: M(∂(L)) + F(L, V) ≤ budget. The set of greatest T(L) among those is tried first: a plan
-    through it whose cache at L leaves room for the last move (the least-overhead plan to L, found as fast
-    as the time-centric plan) is optimal. Only where that plan does not fit are all sets planned, which
-    at the smallest budget takes minutes on GoogLeNet's lattice (and then the plan has the least cache at
-    the end among those of greatest overhead; the first route need not)."""
+    last move fit: M(∂(L)) + F(L, V) ≤ budget. Those sets are tried by decreasing T(L), each through the
+    least-overhead plan to it (the kernel with that set as its target, as fast as a time-centric solve): a
+    set no plan reaches cannot end one and is passed over; the first whose plan leaves room at L for the last
+    move is optimal. Where a set is reached but that plan leaves no room (or after ``LAST_SETS_TRIED`` sets),
+    the answer is undecided and all sets are planned, which at the smallest budget takes minutes on
+    GoogLeNet's lattice (and then the plan has the least cache at the end among those of greatest overhead;
+    the first route need not)."""
     t0 = time.perf_counter()
     a = _arrays(ctx, fam)
     V = fam.S - 1
     to_v = _moves_into(V, *a.move_args, *a.model)
     possible = np.flatnonzero(a.MB[:V] + to_v <= budget + eps)
-    if possible.size:
-        last = int(possible[np.argmax(a.TA[possible])])
+    for last in possible[np.argsort(-a.TA[possible], kind="stable")][:LAST_SETS_TRIED].tolist():
+        if last == 0:  # no recomputation at all: the only plan left
+            return [V]
         m, par = _plan(ctx, fam, budget, eps, time_limit, target=last, started=t0)
-        if (last == 0 or par[last] >= 0) and m[last] + to_v[last] <= budget + eps:
-            return ([] if last == 0 else _chain_to(par, last)) + [V]
+        if par[last] < 0:  # no plan reaches it: it cannot end one
+            continue
+        if m[last] + to_v[last] <= budget + eps:
+            return _chain_to(par, last) + [V]
+        break  # reached, but not with room for the last move: undecided
     return least_overhead_chain(ctx, fam, budget, eps, time_limit, maximise=True, started=t0)
 
 
