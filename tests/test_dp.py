@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -341,15 +342,11 @@ def test_compiled_exact_dp_equals_the_family_engine(cg, factor):
     family engine's overhead (exhaustive search: tests above), and the same refusal where nothing fits."""
     budget = int(factor * dp.min_budget_bytes(cg, exact=True))
     want = dp.solve(cg, budget, exact=True)
-    old = dp.FAMILY_LIMIT
-    dp.FAMILY_LIMIT = 0
-    try:
+    with mock.patch.object(dp, "FAMILY_LIMIT", 0):
         dp.forget_context(cg)
         got = dp.solve(cg, budget, exact=True)
         with pytest.raises(BudgetError):
             dp.solve(cg, dp.min_budget_bytes(cg, exact=True) - 1, exact=True)
-    finally:
-        dp.FAMILY_LIMIT = old
     assert got.overhead == pytest.approx(want.overhead, rel=1e-9, abs=1e-9)
     check_plan(cg, got, budget)
 
@@ -363,18 +360,24 @@ def test_compiled_exact_dp_finds_the_smallest_budget_and_the_memory_centric_plan
     budget and overhead (exhaustive search: tests above)."""
     want_budget = dp.min_budget_bytes(cg, exact=True)
     want = dp.solve(cg, None, strategy="memory", exact=True)
-    old = dp.FAMILY_LIMIT
-    dp.FAMILY_LIMIT = 0
-    try:
+    with mock.patch.object(dp, "FAMILY_LIMIT", 0):
         dp.forget_context(cg)
         got_budget = dp.min_budget_bytes(cg, exact=True)
         got = dp.solve(cg, None, strategy="memory", exact=True)
-    finally:
-        dp.FAMILY_LIMIT = old
     assert got_budget == want_budget
     assert got.overhead == pytest.approx(want.overhead, rel=1e-9, abs=1e-9)
     assert _final_cache(cg, got) >= _final_cache(cg, want) - 1e-6, "the family engine's is the least"
     check_plan(cg, got, want_budget)
+
+
+def _parallel_chains(chains: int, length: int, T, M) -> CostGraph:
+    """``chains`` chains of ``length`` nodes from "src" to "sink"; ``T()`` and ``M()`` give each node's costs, in
+    node order (src, the chains one after the other, sink)."""
+    rows = [[f"c{i}_{j}" for j in range(length)] for i in range(chains)]
+    nodes = ["src", *(v for row in rows for v in row), "sink"]
+    edges = [("src", row[0]) for row in rows] + [(row[-1], "sink") for row in rows]
+    edges += [(a, b) for row in rows for a, b in zip(row, row[1:])]
+    return CostGraph.from_edges(nodes, edges, {v: T() for v in nodes}, {v: M() for v in nodes})
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -383,13 +386,8 @@ def test_compiled_exact_dp_on_a_wide_lattice(seed):
     costs: the compiled smallest budget, memory-centric plan and time-centric plan at that budget equal the
     family engine's (the approximate DP's smallest budget is above the exact one on these seeds)."""
     rng = np.random.default_rng(seed)
-    chains = [[f"c{i}_{j}" for j in range(6)] for i in range(4)]
-    nodes = ["src", *(v for chain in chains for v in chain), "sink"]
-    edges = [("src", chain[0]) for chain in chains] + [(chain[-1], "sink") for chain in chains]
-    edges += [(a, b) for chain in chains for a, b in zip(chain, chain[1:])]
-    cg = CostGraph.from_edges(nodes, edges, {v: int(rng.integers(1, 1000)) for v in nodes},
-                              {v: int(rng.integers(1, 100)) for v in nodes})
-    for v in nodes[::3]:
+    cg = _parallel_chains(4, 6, lambda: int(rng.integers(1, 1000)), lambda: int(rng.integers(1, 100)))
+    for v in list(cg.nodes)[::3]:
         cg.nodes[v]["saves_output"] = True
 
     def solves():
@@ -398,12 +396,8 @@ def test_compiled_exact_dp_on_a_wide_lattice(seed):
         return low, dp.solve(cg, None, strategy="memory", exact=True), dp.solve(cg, low, exact=True)
 
     want = solves()
-    old = dp.FAMILY_LIMIT
-    dp.FAMILY_LIMIT = 0
-    try:
+    with mock.patch.object(dp, "FAMILY_LIMIT", 0):
         got = solves()
-    finally:
-        dp.FAMILY_LIMIT = old
     assert got[0] == want[0]
     for g, w in zip(got[1:], want[1:]):
         assert g.overhead == pytest.approx(w.overhead, rel=1e-9, abs=1e-9)
@@ -413,14 +407,9 @@ def test_compiled_exact_dp_on_a_wide_lattice(seed):
 def test_compiled_exact_dp_honours_its_time_limit():
     """The compiled kernel plans CHUNK sets per call and checks the time limit between calls (the smallest budget
     and the memory-centric plan too)."""
-    nodes = ["src"] + [f"c{i}_{j}" for i in range(4) for j in range(8)] + ["sink"]
-    edges = [("src", f"c{i}_0") for i in range(4)] + [(f"c{i}_7", "sink") for i in range(4)]
-    edges += [(f"c{i}_{j}", f"c{i}_{j + 1}") for i in range(4) for j in range(7)]
-    cg = CostGraph.from_edges(nodes, edges, dict.fromkeys(nodes, 1), dict.fromkeys(nodes, 8))
+    cg = _parallel_chains(4, 8, lambda: 1, lambda: 8)
     budget = dp.solve(cg, None).predicted_peak_bytes // 2
-    old = dp.FAMILY_LIMIT, time_kernel.CHUNK
-    dp.FAMILY_LIMIT, time_kernel.CHUNK = 0, 64
-    try:
+    with mock.patch.object(dp, "FAMILY_LIMIT", 0), mock.patch.object(time_kernel, "CHUNK", 64):
         with pytest.raises(FxplanError, match="stopped after"):
             dp.solve(cg, budget, exact=True, time_limit=0.0)
         for smallest in (lambda: dp.min_budget_bytes(cg, exact=True, time_limit=0.0),
@@ -430,5 +419,3 @@ def test_compiled_exact_dp_honours_its_time_limit():
                 smallest()
         assert dp.solve(cg, budget, exact=True).overhead == pytest.approx(
             dp.solve(cg, budget, exact=True, engine="family").overhead)
-    finally:
-        dp.FAMILY_LIMIT, time_kernel.CHUNK = old
