@@ -36,6 +36,16 @@ def tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def buffer_names(module: torch.nn.Module) -> dict[int, tuple[str, ...]]:
+    """The names of ``module``'s buffers by storage (``_cdata``), every name of a shared buffer: what
+    :class:`NodeCensus` reports writes by."""
+    names: dict[int, tuple[str, ...]] = {}
+    for name, b in module.named_buffers(remove_duplicate=False):
+        key = b.untyped_storage()._cdata
+        names[key] = (*names.get(key, ()), name)
+    return names
+
+
 class NewStorages(TorchDispatchMode):
     """The most bytes live at once inside the ``with`` block beyond those live when it began (``peak_bytes``):
     storages it creates, less those made before it that it frees; a view of a tensor made before it (an

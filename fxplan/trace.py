@@ -55,7 +55,7 @@ from fxplan.costgraph import CostGraph
 from fxplan.effects import mutated_position, ordering_edges
 from fxplan.errors import FxplanError, TraceError
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
-from fxplan.op_census import NewStorages, NodeCensus, tensors
+from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
 from fxplan.timecost import T_SECONDS, TIME_MODELS, device_speed, measure_seconds
 
 logger = logging.getLogger("fxplan")
@@ -198,10 +198,7 @@ class _CostPropagator(torch.fx.Interpreter):
         self.param_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
         self.input_bytes = 0
         self.resident_keys = {t.untyped_storage()._cdata for t in [*gm.parameters(), *gm.buffers()]}
-        self.buffer_names: dict[int, tuple[str, ...]] = {}
-        for name, b in gm.named_buffers(remove_duplicate=False):
-            key = b.untyped_storage()._cdata
-            self.buffer_names[key] = (*self.buffer_names.get(key, ()), name)
+        self.buffer_names = buffer_names(gm)
         self.result: Any = None  # the graph's output
         # per compute node: the autograd nodes of its outputs, and the first sequence number it used
         self.grad_fns: dict[str, set] = {}

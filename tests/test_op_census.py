@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxplan.effects import written_arguments
-from fxplan.op_census import NewStorages, NodeCensus, tensors
+from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
 from fxplan.timecost import op_traffic
 
 
@@ -49,19 +49,11 @@ class _Traffic(TorchDispatchMode):
         return out
 
 
-def _buffer_names(model: nn.Module) -> dict[int, tuple[str, ...]]:
-    names: dict[int, tuple[str, ...]] = {}
-    for name, b in model.named_buffers():
-        key = b.untyped_storage()._cdata
-        names[key] = (*names.get(key, ()), name)
-    return names
-
-
 def test_node_census_counts_what_the_separate_counters_count():
     with FakeTensorMode() as mode:
         model = Mixed().train()  # fake parameters and buffers
         x = torch.randn(2, 4, 6, 6)
-    census = NodeCensus(_buffer_names(model))
+    census = NodeCensus(buffer_names(model))
     with mode:
         flops, traffic, fresh = FlopCounterMode(display=False), _Traffic(), NewStorages()
         with flops, traffic, fresh:
