@@ -53,6 +53,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 
+from fxplan import collector
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.family_dp import _EPS, Context, _chain_costs, _family_run, context, forget_context
@@ -296,6 +297,7 @@ def _smallest_budget(ctx: Context, exact: bool, engine: str, time_limit: float |
     return int(math.ceil(found[1][0] - _EPS))
 
 
+@collector.paused()
 def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, engine: str = "auto",
                      time_limit: float | None = DEFAULT_TIME_LIMIT,
                      max_states: int | None = DEFAULT_MAX_STATES) -> int:
@@ -308,6 +310,7 @@ def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, e
     return _smallest_budget(context(cg, memory_model), exact, engine, time_limit, max_states)
 
 
+@collector.paused()
 def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", exact: bool = False,
           memory_model=None, engine: str = "auto", time_limit: float | None = DEFAULT_TIME_LIMIT,
           max_states: int | None = DEFAULT_MAX_STATES, max_sets: int | None = None) -> Plan:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fxplan import collector
 from fxplan.capture import ExampleCall, capture, symbolic_trace_module
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.errors import FxplanError
@@ -98,6 +99,7 @@ def plan(
     return module.fxplan_plan
 
 
+@collector.spared()
 def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, solver: str = "approx",
                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
     """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
@@ -117,6 +119,7 @@ def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int 
     return budget_bytes
 
 
+@collector.spared()
 def fit_budget(
     model: torch.nn.Module,
     example_inputs: tuple[Any, ...],
