@@ -6,9 +6,8 @@ For each zoo name (default: densenet121, resnet50), the model is compiled as ``f
 compiles it (``aot_eager``, the min-cut partitioner, ``activation_memory_budget`` F), with the forward and
 backward graphs it runs captured. Printed per model: the ATen operators of the forward graph, and those
 of the backward graph that no incoming gradient reaches (forward work run again from saved values: the
-recomputation), counted by name; then whether
-the compiled step's output and every parameter's gradient equal the eager step's bit for bit (same
-weights, same inputs, one step each on the CPU).
+recomputation), counted by name; then whether the compiled step's output and every parameter's gradient
+equal the eager step's bit for bit (same weights, same inputs, one step each on the CPU).
 """
 
 from __future__ import annotations
