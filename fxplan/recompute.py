@@ -126,6 +126,11 @@ class BufferGuard:
                     )
 
 
+def _attribute(owner: torch.nn.Module, target: str) -> Any:
+    """What a ``get_attr`` node with this dotted ``target`` fetches from ``owner``."""
+    return functools.reduce(getattr, target.split("."), owner)
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -194,11 +199,14 @@ class Segment(fx.GraphModule):
         )
 
     def buffer_slots(self) -> list[tuple[str, torch.nn.Module, str]]:
-        """``(key, module, name)`` for every buffer this segment's modules and attributes can reach."""
+        """``(key, module, name)`` for every buffer this segment's modules and attributes can reach: those
+        of the modules it calls and of the modules its ``get_attr`` nodes fetch (a function handed a module,
+        as ``symbolic_trace`` records one, can run it and update its buffers), and the buffers fetched."""
         owner = self.__dict__["_fxplan_owner"]
         slots: list[tuple[str, torch.nn.Module, str]] = []
         seen: set[tuple[int, str]] = set()
-        for target in self._fxplan_targets:
+        fetched = [t for t in self._fxplan_attr_targets if isinstance(_attribute(owner, t), torch.nn.Module)]
+        for target in self._fxplan_targets + fetched:
             for path, mod in owner.get_submodule(target).named_modules(prefix=target):
                 for name, buf in mod._buffers.items():
                     if buf is not None and (id(mod), name) not in seen:

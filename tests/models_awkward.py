@@ -95,6 +95,26 @@ class BNNet(nn.Module):
         return self.bn1d(self.fc(h))
 
 
+@torch.fx.wrap  # a leaf of symbolic_trace: the BatchNorm module reaches it as a get_attr node of the graph
+def bn_relu_of(bn: nn.BatchNorm2d, x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(bn(x))
+
+
+class ModuleArgNet(nn.Module):
+    """A function handed a BatchNorm module runs it: its buffers change inside a call_function node."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.conv2(bn_relu_of(self.bn, self.conv(x)))
+        return self.fc(F.adaptive_avg_pool2d(torch.relu(h), 1).flatten(1))
+
+
 class RandomNet(nn.Module):
     """Dropout as a module and a function, and a rand_like noise term."""
 
@@ -165,6 +185,7 @@ AWKWARD = {
     "tied": (Tied, _x(5, 10)),
     "inplace_zoo": (InplaceZoo, _x(5, 6)),
     "bn": (BNNet, _x(3, 3, 8, 8)),
+    "module_arg": (ModuleArgNet, _x(3, 3, 8, 8)),
     "random": (RandomNet, _x(5, 8)),
     "densenet_block": (DenseNetBlock, _x(2, 3, 12, 12)),
 }
