@@ -1,7 +1,7 @@
 """A trial of torch.compile's kind of plan run by a backward of our own: not part of fxplan's planner.
 
 Usage: python scripts/own_backward_trial.py [NAME ...] [--batch-size N] [--input-size H] [--rounds R]
-                                            [--threads K]
+                                            [--threads K] [--fxplan BUDGET ...]
 
 Under an activation-memory budget torch.compile keeps every convolution's output and recomputes the
 concatenation, BatchNorm and ReLU in front of it (``scripts/compile_recompute.py``), bit-exactly. fxplan's
@@ -14,8 +14,10 @@ not updated again), runs ``aten.convolution_backward`` as autograd's convolution
 through the region. For each model (default: densenet161, resnet50) it prints the regions replaced; whether
 two training steps equal the model's own bit for bit (outputs, every gradient, every buffer); the real peak of
 one step (``fxplan.compare.real_step_peak``) of the model, the trial and ``torch.compile`` at
-``activation_memory_budget`` 0.5 (``fxplan.peers.compile_peer``); and their steps timed interleaved
-(``fxplan.timing.time_interleaved``: median of per-round ratios to the model's step, interquartile range).
+``activation_memory_budget`` 0.5 (``fxplan.peers.compile_peer``); with ``--fxplan``, also
+``fxplan.rewrite`` of the trial's graph at each budget (GiB, or ``none`` for the smallest peak): fxplan's
+segments over the replaced regions; and their steps timed interleaved (``fxplan.timing.time_interleaved``:
+median of per-round ratios to the model's step, interquartile range).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import fxplan  # noqa: E402
 from fxplan.compare import real_step_peak  # noqa: E402
 from fxplan.peers import compile_peer  # noqa: E402
 from fxplan.timing import time_interleaved  # noqa: E402
@@ -142,6 +145,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--input-size", type=int, default=224)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--fxplan", nargs="*", default=[], metavar="BUDGET",
+                   help="also fxplan.rewrite of the trial's graph at these budgets (GiB, or none)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     for name in args.names:
@@ -156,6 +161,12 @@ def main(argv: list[str]) -> None:
         rows = {"vanilla": copy.deepcopy(model), "trial": transform(copy.deepcopy(model))[0],
                 "torch.compile@0.5": compile_peer(copy.deepcopy(model), 0.5)}
         rows["torch.compile@0.5"].warm_up(inputs, entry.loss)
+        for budget in args.fxplan:
+            gb = None if budget == "none" else float(budget)
+            t0 = time.perf_counter()
+            rows[f"fxplan on trial@{budget}"] = fxplan.rewrite(transform(copy.deepcopy(model))[0], gb,
+                                                               example_inputs=inputs, loss_fn=entry.loss)
+            print(f"  fxplan on trial@{budget}: planned in {time.perf_counter() - t0:.1f} s", flush=True)
         peaks = {k: real_step_peak(m, inputs, entry.loss, torch.device("cpu"))[0] for k, m in rows.items()}
 
         def stepper(m, loss=entry.loss, inputs=inputs):
@@ -170,7 +181,7 @@ def main(argv: list[str]) -> None:
                                    rounds=args.rounds, threads=args.threads)
         for k, t in timings.items():
             q = statistics.quantiles(t.ratios, n=4) if len(t.ratios) > 1 else [t.ratio, t.ratio, t.ratio]
-            print(f"  {k:18} peak {peaks[k] / 2**20:8.1f} MiB ({100 * (peaks[k] / peaks['vanilla'] - 1):+.1f}%), "
+            print(f"  {k:24} peak {peaks[k] / 2**20:8.1f} MiB ({100 * (peaks[k] / peaks['vanilla'] - 1):+.1f}%), "
                   f"step {t.median:.3f} s, {t.ratio:.2f}x vanilla ({q[0]:.2f}-{q[2]:.2f})", flush=True)
 
 
