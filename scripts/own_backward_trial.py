@@ -16,8 +16,9 @@ two training steps equal the model's own bit for bit (outputs, every gradient, e
 one step (``fxplan.compare.real_step_peak``) of the model, the trial and ``torch.compile`` at
 ``activation_memory_budget`` 0.5 (``fxplan.peers.compile_peer``); with ``--fxplan``, also
 ``fxplan.rewrite`` of the trial's graph at each budget (GiB, or ``none`` for the smallest peak): fxplan's
-segments over the replaced regions; and their steps timed interleaved (``fxplan.timing.time_interleaved``:
-median of per-round ratios to the model's step, interquartile range).
+segments over the replaced regions, checked for exactness the same way; and their steps timed
+interleaved (``fxplan.timing.time_interleaved``: median of per-round ratios to the model's step,
+interquartile range).
 """
 
 from __future__ import annotations
@@ -164,9 +165,11 @@ def main(argv: list[str]) -> None:
         for budget in args.fxplan:
             gb = None if budget == "none" else float(budget)
             t0 = time.perf_counter()
-            rows[f"fxplan on trial@{budget}"] = fxplan.rewrite(transform(copy.deepcopy(model))[0], gb,
-                                                               example_inputs=inputs, loss_fn=entry.loss)
-            print(f"  fxplan on trial@{budget}: planned in {time.perf_counter() - t0:.1f} s", flush=True)
+            planned = fxplan.rewrite(transform(copy.deepcopy(model))[0], gb, example_inputs=inputs,
+                                     loss_fn=entry.loss)
+            print(f"  fxplan on trial@{budget}: planned in {time.perf_counter() - t0:.1f} s; exactness:",
+                  exact_steps(copy.deepcopy(model), planned, inputs, entry.loss), flush=True)
+            rows[f"fxplan on trial@{budget}"] = planned
         peaks = {k: real_step_peak(m, inputs, entry.loss, torch.device("cpu"))[0] for k, m in rows.items()}
 
         def stepper(m, loss=entry.loss, inputs=inputs):
