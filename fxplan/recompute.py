@@ -39,6 +39,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
+from fxplan.capture import resolve_attr
+
 #: Modules whose training-mode forward is known to update their own buffers.
 STATEFUL_NORMS = (torch.nn.modules.batchnorm._NormBase,)
 
@@ -126,11 +128,6 @@ class BufferGuard:
                     )
 
 
-def _attribute(owner: torch.nn.Module, target: str) -> Any:
-    """What a ``get_attr`` node with this dotted ``target`` fetches from ``owner``."""
-    return functools.reduce(getattr, target.split("."), owner)
-
-
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -162,7 +159,7 @@ class Segment(fx.GraphModule):
         # a nested segment's graph calls its sub-segments, and the in-place ops it runs inline between them
         # (fxplan.codegen._split_off): GraphModule checks that a dict root names each of them
         inline = {
-            str(n.target): functools.reduce(getattr, str(n.target).split("."), root)
+            str(n.target): resolve_attr(root, str(n.target))
             for n in graph.nodes
             if n.op in ("call_module", "get_attr") and str(n.target) not in children
         }
@@ -205,7 +202,7 @@ class Segment(fx.GraphModule):
         owner = self.__dict__["_fxplan_owner"]
         slots: list[tuple[str, torch.nn.Module, str]] = []
         seen: set[tuple[int, str]] = set()
-        fetched = [t for t in self._fxplan_attr_targets if isinstance(_attribute(owner, t), torch.nn.Module)]
+        fetched = [t for t in self._fxplan_attr_targets if isinstance(resolve_attr(owner, t), torch.nn.Module)]
         for target in self._fxplan_targets + fetched:
             for path, mod in owner.get_submodule(target).named_modules(prefix=target):
                 for name, buf in mod._buffers.items():
