@@ -234,17 +234,23 @@ def enumerate_lower_sets(cg_or_ix: CostGraph | GraphIndex, *, limit: int | None 
     for s in _supersets(ix, 0, None if limit is None else limit + 1):
         out.append(s)
         if limit is not None and len(out) > limit:
-            raise FxplanError(
-                f"the graph has more than {limit} lower sets; use the approximate DP (exact=False)"
-            )
+            raise _more_than(limit)
     out.sort(key=lambda m: (m.bit_count(), m))
     return out
 
 
-def count_lower_sets(cg_or_ix: CostGraph | GraphIndex) -> int:
-    """#L_G, the number of lower sets (∅ and V included), without keeping them."""
+def count_lower_sets(cg_or_ix: CostGraph | GraphIndex, *, limit: int | None = None) -> int:
+    """#L_G, the number of lower sets (∅ and V included), without keeping them; ``limit`` as for
+    :func:`enumerate_lower_sets` (an :class:`FxplanError` beyond it, found without counting further)."""
     ix = cg_or_ix if isinstance(cg_or_ix, GraphIndex) else GraphIndex.build(cg_or_ix)
-    return 1 + sum(1 for _ in _supersets(ix, 0, None))
+    count = 1 + sum(1 for _ in _supersets(ix, 0, None if limit is None else limit + 1))
+    if limit is not None and count > limit:
+        raise _more_than(limit)
+    return count
+
+
+def _more_than(limit: int) -> FxplanError:
+    return FxplanError(f"the graph has more than {limit} lower sets; use the approximate DP (exact=False)")
 
 
 def pruned_lower_sets(cg_or_ix: CostGraph | GraphIndex) -> list[int]:

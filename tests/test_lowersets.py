@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 
 import networkx as nx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxplan.costgraph import CostGraph
+from fxplan.errors import FxplanError
 from fxplan.lowersets import (
     GraphIndex,
     count_lower_sets,
@@ -49,6 +51,10 @@ def test_enumeration_equals_brute_force(cg):
     assert len(named) == len(set(named)), "each lower set exactly once"
     assert set(named) == brute_lower_sets(cg)
     assert count_lower_sets(ix) == len(sets)
+    assert count_lower_sets(ix, limit=len(sets)) == len(sets)
+    if len(sets) > 1:
+        with pytest.raises(FxplanError, match=f"more than {len(sets) - 1} lower sets"):
+            count_lower_sets(ix, limit=len(sets) - 1)
     assert [s.bit_count() for s in sets] == sorted(s.bit_count() for s in sets)
 
 
