@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fxplan  # noqa: E402
 from fxplan.compare import real_step_peak  # noqa: E402
 from fxplan.peers import compile_peer  # noqa: E402
-from fxplan.timing import time_interleaved  # noqa: E402
+from fxplan.timing import describe_ratio, time_interleaved, training_step  # noqa: E402
 from models_zoo import resolve  # noqa: E402
 
 
@@ -172,20 +171,12 @@ def main(argv: list[str]) -> None:
             rows[f"fxplan on trial@{budget}"] = planned
         peaks = {k: real_step_peak(m, inputs, entry.loss, torch.device("cpu"))[0] for k, m in rows.items()}
 
-        def stepper(m, loss=entry.loss, inputs=inputs):
-            def run() -> float:
-                m.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                loss(m(*inputs)).backward()
-                return time.perf_counter() - t0
-            return run
-
-        timings = time_interleaved({k: stepper(m) for k, m in rows.items()}, baseline="vanilla",
-                                   rounds=args.rounds, threads=args.threads)
+        timings = time_interleaved({k: training_step(m, inputs, entry.loss) for k, m in rows.items()},
+                                   baseline="vanilla", rounds=args.rounds, threads=args.threads)
         for k, t in timings.items():
-            q = statistics.quantiles(t.ratios, n=4) if len(t.ratios) > 1 else [t.ratio, t.ratio, t.ratio]
+            ratio = describe_ratio(t.ratio, *(t.ratio_range or (None, None)))
             print(f"  {k:24} peak {peaks[k] / 2**20:8.1f} MiB ({100 * (peaks[k] / peaks['vanilla'] - 1):+.1f}%), "
-                  f"step {t.median:.3f} s, {t.ratio:.2f}x vanilla ({q[0]:.2f}-{q[2]:.2f})", flush=True)
+                  f"step {t.median:.3f} s, {ratio} vanilla", flush=True)
 
 
 if __name__ == "__main__":
