@@ -176,7 +176,7 @@ def main(argv: list[str]) -> None:
         for k, t in timings.items():
             ratio = describe_ratio(t.ratio, *(t.ratio_range or (None, None)))
             print(f"  {k:24} peak {peaks[k] / 2**20:8.1f} MiB ({100 * (peaks[k] / peaks['vanilla'] - 1):+.1f}%), "
-                  f"step {t.median:.3f} s, {ratio} vanilla", flush=True)
+                  f"step {t.median:.3f} s, ratio to vanilla {ratio}", flush=True)
 
 
 if __name__ == "__main__":
