@@ -66,6 +66,10 @@ class Plan:
     ``T_seconds``           seconds per unit of T when the cost graph's T is time (``cost_model`` "roofline" or
                             "measured" of :func:`fxplan.trace.trace`: 1e-6); None when T is FLOPs or the
                             paper's units. Then :attr:`predicted_extra_seconds` says what the plan costs
+    ``regions``             the convolutions that keep their output while the BatchNorm, ReLU (and concatenation)
+                            in front of them are recomputed in backward (:mod:`fxplan.regions`), by node name;
+                            empty when the plan runs on the graph as captured
+    ``region_recompute_fraction`` the part of ``recompute_fraction`` those regions recompute
     """
 
     segments: list[list[str]]
@@ -86,6 +90,8 @@ class Plan:
     children: dict[str, Plan] = field(default_factory=dict)
     measured_peak_bytes: int | None = None
     T_seconds: float | None = None
+    regions: list[str] = field(default_factory=list)
+    region_recompute_fraction: float = 0.0
 
     @property
     def num_segments(self) -> int:
@@ -132,6 +138,10 @@ class Plan:
             recomputed += (f", predicted to add {_fmt_seconds(extra)} to each training step (forward pass "
                            f"{_fmt_seconds(self.total_T * self.T_seconds)})")
         lines.append(recomputed)
+        if self.regions:
+            lines.append(f"  {_count(len(self.regions), 'convolution')} keep their output and recompute the "
+                         f"BatchNorm and ReLU in front of them in backward ({100 * self.region_recompute_fraction:.1f}% "
+                         "of a forward pass, included above)")
         lines += self._segment_lines("  ", top=True)
         return "\n".join(lines)
 

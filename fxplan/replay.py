@@ -144,10 +144,12 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
         if node.op == "call_module":
             params += gm.get_submodule(str(node.target)).parameters()
         for u in node.all_input_nodes:
-            if u.op == "get_attr":
+            if u.op == "get_attr":  # a parameter, or a module handed to a function (its parameters)
                 value = resolve_attr(gm, str(u.target))
                 if isinstance(value, torch.nn.Parameter):
                     params.append(value)
+                elif isinstance(value, torch.nn.Module):
+                    params += value.parameters()
         param_grads[node.name] = tuple((id(p), p.numel() * p.element_size()) for p in params if p.requires_grad)
         mutated = effects.mutated_arg(node, gm)
         source = effects.view_source(node, gm)

@@ -18,14 +18,15 @@ from typing import Any
 import torch
 
 from fxplan import collector
-from fxplan.capture import ExampleCall, capture, symbolic_trace_module
+from fxplan.capture import Captured, ExampleCall, capture, symbolic_trace_module
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.errors import FxplanError
 from fxplan.measure import GiB, measure_step
 from fxplan.planning import budget_to_bytes, check_choices
 from fxplan.plans import Plan
-from fxplan.search import Search
+from fxplan.regions import with_regions
 from fxplan.trace import trace
+from fxplan.variants import Searches
 
 logger = logging.getLogger("fxplan")
 
@@ -60,7 +61,8 @@ def rewrite(
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
     if plan is not None:
-        gm = symbolic_trace_module(model) if example_inputs is None else capture(model, example_inputs).gm
+        captured = _captured_for(model, example_inputs)
+        gm = with_regions(captured, plan.regions).gm if plan.regions else captured.gm
         module = segment_module(gm, plan.segments, plan.children)
         measured = None
         if example_inputs is not None:
@@ -104,8 +106,14 @@ def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, s
                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
     """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
     ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
-    search = Search(trace(model, example_inputs), model, example_inputs, solver=solver, loss_fn=loss_fn)
-    return search.lowest().measured
+    return Searches(trace(model, example_inputs), model, example_inputs, solver=solver, loss_fn=loss_fn).lowest()
+
+
+def _captured_for(model: torch.nn.Module, example_inputs: Sequence[Any] | None) -> Captured:
+    """The capture a given plan runs on: the inputs' capture, or ``symbolic_trace`` without inputs."""
+    if example_inputs is not None:
+        return capture(model, example_inputs)
+    return Captured(symbolic_trace_module(model), "symbolic_trace", None)
 
 
 def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
@@ -139,12 +147,15 @@ def fit_budget(
                 cg.graph["captured"].method, cg.number_of_nodes(), time.perf_counter() - t0,
                 "the smallest peak" if budget_bytes is None else f"a budget of {budget_bytes / GiB:.3f} GiB")
     t1 = time.perf_counter()
-    search = Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
-    chosen = search.choose(budget_bytes, strategy)
-    logger.info("fxplan: %d segments, recompute %.1f%%, measured peak %.3f GiB; planned in %.1f s (%d candidate "
-                "plans, %d measured on fake tensors)", chosen.plan.num_segments, 100 * chosen.recompute,
-                chosen.measured / GiB, time.perf_counter() - t1, len(search.candidates), search.meter.steps)
-    return search.result(chosen, budget_bytes)
+    searches = Searches(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
+    chosen = searches.choose(budget_bytes, strategy)
+    module = chosen.variant.result(chosen.candidate, budget_bytes)
+    plan = module.fxplan_plan
+    logger.info("fxplan: %d segments%s, recompute %.1f%%, measured peak %.3f GiB; planned in %.1f s (%d candidate "
+                "plans, %d measured on fake tensors)", plan.num_segments,
+                f" and {len(plan.regions)} recomputed regions" if plan.regions else "", 100 * plan.recompute_fraction,
+                chosen.measured / GiB, time.perf_counter() - t1, searches.candidates, searches.steps)
+    return module
 
 
 class LazyRewrite(torch.nn.Module):

@@ -1,0 +1,151 @@
+"""One budget search over two graphs of a model: as captured, and with its recomputed regions.
+
+A recomputed region (:mod:`fxplan.regions`) keeps a convolution's output and recomputes the BatchNorm and
+ReLU in front of it in every backward: memory saved at a fixed price, which a budget may not need. So the
+graph with regions is searched as its own model (:class:`fxplan.search.Search`, its own trace), and the
+choice spans both searches on one scale, the forward cost recomputed per step (the cost graph's T, the
+regions' own recomputation included):
+
+- a budget: of the two searches' choices that fit, the one that recomputes least (ties: the lower
+  measured peak); the graph with regions is searched only where the captured one's choice recomputes
+  something or nothing fits (a budget met without recomputation cannot be met cheaper);
+- no budget (the smallest peak): the least recomputation among the two choices within
+  :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
+- ``strategy="memory"``: the lower measured peak.
+
+Each search is monotone in the budget, so the choice is too: a larger budget never recomputes more.
+The smallest measured peak is the lower of the two searches', and that budget is accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from fxplan.codegen import SegmentedModule
+from fxplan.costgraph import CostGraph
+from fxplan.errors import BudgetError, FxplanError
+from fxplan.regions import Region, find_regions, recompute_cost, with_regions
+from fxplan.search import NEGLIGIBLE, Candidate, Search
+from fxplan.trace import trace
+
+logger = logging.getLogger("fxplan")
+
+
+@dataclass
+class Variant:
+    """One graph's search, with the regions it runs and the T they recompute in every step."""
+
+    search: Search
+    regions: list[Region]
+    region_T: float = 0.0
+
+    def recomputed_T(self, c: Candidate) -> float:
+        """Forward cost ``c`` recomputes per step, regions included (the cost graph's units)."""
+        return c.recompute * c.plan.total_T + self.region_T
+
+    def result(self, c: Candidate, budget_bytes: int | None) -> SegmentedModule:
+        """The candidate's module; its plan names the regions and counts their recomputation."""
+        module = self.search.result(c, budget_bytes)
+        if self.regions:
+            plan = module.fxplan_plan
+            share = self.region_T / plan.total_T if plan.total_T else 0.0
+            module.fxplan_plan = replace(plan, regions=[r.conv for r in self.regions], region_recompute_fraction=share,
+                                         recompute_fraction=plan.recompute_fraction + share)
+        return module
+
+
+@dataclass
+class Choice:
+    variant: Variant
+    candidate: Candidate
+
+    @property
+    def measured(self) -> int:
+        return self.candidate.measured
+
+    @property
+    def cost(self) -> tuple[float, int]:
+        return self.variant.recomputed_T(self.candidate), self.candidate.measured
+
+
+class Searches:
+    """The searches of one model, inputs and solver: the captured graph's, and, when asked for, the graph
+    with its recomputed regions (module docstring)."""
+
+    def __init__(self, cg: CostGraph, model: torch.nn.Module, example_inputs: Any, *, solver: str,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None):
+        self.model, self.inputs, self.solver, self.loss_fn = model, example_inputs, solver, loss_fn
+        self.plain = Variant(Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn), [])
+        captured = cg.graph["captured"]
+        self._regions = find_regions(captured.gm) if captured.method == "symbolic_trace" else []
+        self._with_regions: Variant | None = None
+
+    @property
+    def variants(self) -> list[Variant]:
+        """The searches made so far."""
+        return [self.plain] + ([self._with_regions] if self._with_regions else [])
+
+    def with_regions(self) -> Variant | None:
+        """The search over the graph with every recomputed region (traced on first use); None without regions."""
+        if not self._regions:
+            return None
+        if self._with_regions is None:
+            t0 = time.perf_counter()
+            cg = self.plain.search.cg
+            try:
+                captured = with_regions(cg.graph["captured"], self._regions)
+                traced = trace(self.model, self.inputs, cost_model=cg.graph["cost_model"], captured=captured)
+            except FxplanError as error:  # the captured graph stays a complete answer: say why, go on without
+                logger.warning("fxplan: the graph with recomputed regions could not be traced (%s); planning "
+                               "without them", error)
+                self._regions = []
+                return None
+            search = Search(traced, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
+            self._with_regions = Variant(search, self._regions, recompute_cost(cg, self._regions))
+            logger.info("fxplan: traced the graph with %d recomputed regions (convolutions keeping their output) "
+                        "in %.1f s", len(self._regions), time.perf_counter() - t0)
+        return self._with_regions
+
+    def lowest(self) -> int:
+        """The smallest measured peak of either search (bytes)."""
+        return min(v.search.lowest().measured for v in filter(None, [self.plain, self.with_regions()]))
+
+    def choose(self, budget_bytes: int | None, strategy: str) -> Choice:
+        """The choice for a whole-step budget (bytes; None: the smallest) and strategy (module docstring);
+        BudgetError with the smaller of the two smallest peaks where neither search fits."""
+        plain = _attempt(self.plain, budget_bytes, strategy)
+        needs_more = isinstance(plain, BudgetError) or budget_bytes is None or strategy == "memory" \
+            or plain.candidate.recompute > 0
+        other = self.with_regions() if needs_more else None
+        outcomes = [plain] + ([_attempt(other, budget_bytes, strategy)] if other else [])
+        fits = [o for o in outcomes if isinstance(o, Choice)]
+        if not fits:
+            raise min(outcomes, key=lambda e: e.min_feasible_bytes or math.inf)
+        if strategy == "memory":
+            return min(fits, key=lambda c: (c.measured, c.cost))
+        if budget_bytes is None:
+            limit = math.floor(min(c.measured for c in fits) * (1 + NEGLIGIBLE))
+            fits = [c for c in fits if c.measured <= limit]
+        return min(fits, key=lambda c: c.cost)
+
+    @property
+    def candidates(self) -> int:
+        return sum(len(v.search.candidates) for v in self.variants)
+
+    @property
+    def steps(self) -> int:
+        return sum(v.search.meter.steps for v in self.variants)
+
+
+def _attempt(variant: Variant, budget_bytes: int | None, strategy: str) -> Choice | BudgetError:
+    try:
+        return Choice(variant, variant.search.choose(budget_bytes, strategy))
+    except BudgetError as error:
+        return error
