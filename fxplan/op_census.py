@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from fxplan.effects import written_arguments
-from fxplan.timecost import op_traffic
+from fxplan.timecost import op_kind, op_traffic
 
 
 def tensors(value) -> list[torch.Tensor]:
@@ -93,7 +93,8 @@ class NewStorages(TorchDispatchMode):
 
 
 class NodeCensus(NewStorages):
-    """:class:`NewStorages`, and the FLOPs, ops, bytes moved and buffers written of the ops run under it.
+    """:class:`NewStorages`, and the FLOPs, ops, bytes moved (in all and per op kind) and buffers written of
+    the ops run under it.
 
     ``buffer_names`` maps a storage (``_cdata``) to the names of the buffers on it; ``written`` lists those
     written, in the order first written; ``written_storages`` holds every storage written in place. FLOPs
@@ -105,6 +106,7 @@ class NodeCensus(NewStorages):
         super().__init__()
         self.buffer_names = buffer_names
         self.flops = self.bytes_moved = self.ops = 0
+        self.op_bytes: dict[str, int] = {}  # bytes moved per op kind (:func:`fxplan.timecost.op_kind`)
         self.written: list[str] = []
         self.written_storages: set[int] = set()  # every storage written in place (``_cdata``)
 
@@ -122,7 +124,10 @@ class NodeCensus(NewStorages):
         outputs = tensors(out)
         self._note_new(outputs)
         self.ops += 1
-        self.bytes_moved += op_traffic(inputs, written, outputs)
+        moved = op_traffic(inputs, written, outputs)
+        self.bytes_moved += moved
+        kind = op_kind(func, args)
+        self.op_bytes[kind] = self.op_bytes.get(kind, 0) + moved
         return out
 
 

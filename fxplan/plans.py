@@ -139,9 +139,10 @@ class Plan:
                            f"{_fmt_seconds(self.total_T * self.T_seconds)})")
         lines.append(recomputed)
         if self.regions:
+            share = 100 * self.region_recompute_fraction
             lines.append(f"  {_count(len(self.regions), 'convolution')} keep their output and recompute the "
-                         f"BatchNorm and ReLU in front of them in backward ({100 * self.region_recompute_fraction:.1f}% "
-                         "of a forward pass, included above)")
+                         f"BatchNorm and ReLU in front of them in backward ({share:.1f}% of a forward pass, "
+                         "included above)")
         lines += self._segment_lines("  ", top=True)
         return "\n".join(lines)
 

@@ -196,7 +196,8 @@ class _RecomputedRegion(torch.autograd.Function):
         # backward is an autograd error rather than a different gradient.
         stats = () if use_batch_stats or norm.running_mean is None else (norm.running_mean, norm.running_var)
         ctx.save_for_backward(conv_weight, conv_bias, norm_weight, norm_bias, *inputs, *stats)
-        ctx.conv, ctx.norm, ctx.cat_dim, ctx.count, ctx.use_batch_stats = conv, norm, cat_dim, len(inputs), use_batch_stats
+        ctx.conv, ctx.norm, ctx.cat_dim, ctx.count = conv, norm, cat_dim, len(inputs)
+        ctx.use_batch_stats = use_batch_stats
         return y
 
     @staticmethod

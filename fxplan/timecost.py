@@ -10,7 +10,11 @@ whatever the plan, so its time does not enter the objective):
   three device constants are measured once per machine, device and thread count by :func:`device_speed`
   (a float32 matrix product, a large copy and a tiny addition; well under a second) and kept in a
   cache file, so every process on the machine plans with the same costs. Works on fake tensors, so
-  planning a model far larger than the machine still gets seconds.
+  planning a model far larger than the machine still gets seconds. Ops that run far below the copy's
+  bandwidth on the device (on a 2-core CPU: BatchNorm in training 8-40x, max and average pooling
+  40-80x) would look almost free that way, and a plan would recompute them at no apparent cost: the same
+  benchmark times one reference call of each such op (:data:`SLOW_OP_PROBES`) and its bytes are priced
+  at the rate measured (``DeviceSpeed.op_bytes_per_s``) where that is below the copy's.
   Bytes moved are counted per ATen op (:func:`op_traffic`: the bytes of its tensor inputs plus the
   bytes of the outputs it writes; pure views move nothing), in the trace's one dispatch mode
   (:class:`fxplan.op_census.NodeCensus`).
@@ -26,6 +30,7 @@ far below any node's cost; :data:`T_SECONDS` converts.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
@@ -33,11 +38,12 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map
 
 logger = logging.getLogger("fxplan")
@@ -62,11 +68,16 @@ class DeviceSpeed:
     bytes_per_s: float
     op_seconds: float
     threads: int
+    op_bytes_per_s: dict[str, float] = field(default_factory=dict)  # by :func:`op_kind`, below bytes_per_s
 
-    def seconds(self, flops: float, bytes_moved: float, ops: int) -> float:
+    def seconds(self, flops: float, bytes_moved: float, ops: int, op_bytes: dict[str, int] | None = None) -> float:
         """The roofline time of work: compute and memory traffic, added (they rarely overlap fully on a
-        CPU), plus the fixed cost of every op."""
-        return flops / self.flops_per_s + bytes_moved / self.bytes_per_s + ops * self.op_seconds
+        CPU), plus the fixed cost of every op. ``op_bytes``: the bytes moved per op kind, of which those of
+        kinds in ``op_bytes_per_s`` move at their own rate."""
+        slow = {kind: n for kind, n in (op_bytes or {}).items() if kind in self.op_bytes_per_s}
+        memory = (bytes_moved - sum(slow.values())) / self.bytes_per_s
+        memory += sum(n / self.op_bytes_per_s[kind] for kind, n in slow.items())
+        return flops / self.flops_per_s + memory + ops * self.op_seconds
 
 
 _SPEEDS: dict[str, DeviceSpeed] = {}
@@ -97,7 +108,8 @@ def device_speed(device: torch.device | str = "cpu") -> DeviceSpeed:
 
 def _machine_key(device: torch.device) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    return f"{device} {name} cpus={os.cpu_count()} threads={torch.get_num_threads()} torch={torch.__version__}"
+    return (f"{device} {name} cpus={os.cpu_count()} threads={torch.get_num_threads()} torch={torch.__version__} "
+            f"benchmark={BENCHMARK_VERSION}")
 
 
 def _cache_file() -> Path:
@@ -145,10 +157,58 @@ def _benchmark(device: torch.device) -> DeviceSpeed:
     with torch.no_grad():
         flops = _matmul_flops_per_s(device, 4096 if cuda else 1024)
         bandwidth = _copy_bytes_per_s(device, (256 if cuda else 32) * 2**20)
+        slow = {kind: rate for kind, rate in _probe_rates(device).items() if rate < SLOW * bandwidth}
     # a training step records autograd history for every op: the fixed cost includes it
     one = torch.ones(1, device=device, requires_grad=True)
     per_op = _best_seconds(lambda: [one + one for _ in range(100)], device, 5) / 100
-    return DeviceSpeed(str(device), flops, bandwidth, per_op, torch.get_num_threads())
+    return DeviceSpeed(str(device), flops, bandwidth, per_op, torch.get_num_threads(), slow)
+
+
+#: Bumped when the benchmark changes, so that cached figures of an older one are measured again.
+BENCHMARK_VERSION = 2
+
+#: An op kind is priced at its own rate where it moves bytes at less than this fraction of the copy's.
+SLOW = 0.5
+
+#: Reference calls of memory-bound ops that can run far below copy bandwidth (reductions, windows,
+#: transcendentals): given an activation-sized tensor (16 MiB in float32, NCHW), the call to time.
+SLOW_OP_PROBES: dict[str, Callable[[torch.Tensor], Callable[[], Any]]] = {
+    "batch norm (training)": lambda x: functools.partial(
+        F.batch_norm, x, torch.zeros(x.shape[1], device=x.device), torch.ones(x.shape[1], device=x.device),
+        training=True),
+    "max pooling": lambda x: functools.partial(F.max_pool2d, x, 3, 2, 1),
+    "average pooling": lambda x: functools.partial(F.avg_pool2d, x, 2),
+    "adaptive average pooling": lambda x: functools.partial(F.adaptive_avg_pool2d, x, 1),
+    "concatenation": lambda x: functools.partial(torch.cat, [x, x], 1),
+    "layer norm": lambda x: functools.partial(F.layer_norm, x.reshape(-1, 1024), (1024,)),
+    "softmax": lambda x: functools.partial(torch.softmax, x.reshape(-1, 1024), -1),
+    "gelu": lambda x: functools.partial(F.gelu, x),
+    "silu": lambda x: functools.partial(F.silu, x),
+}
+
+
+def op_kind(func: Any, args: tuple) -> str:
+    """What an ATen op is for pricing: its name, with its boolean arguments where it has any (a BatchNorm's
+    ``training`` selects another kernel than evaluation's)."""
+    flags = [a for a in args if isinstance(a, bool)]
+    name = func._overloadpacket.__name__
+    return f"{name}{flags}" if flags else name
+
+
+def _probe_rates(device: torch.device) -> dict[str, float]:
+    """Bytes per second the main op kind of each of :data:`SLOW_OP_PROBES` moves (the whole call's bytes over
+    its best time of several)."""
+    from fxplan.op_census import NodeCensus  # noqa: PLC0415 (op_census prices ops with this module)
+
+    x = torch.randn(16, 64, 64, 64, device=device)
+    rates: dict[str, float] = {}
+    for probe in SLOW_OP_PROBES.values():
+        call = probe(x)
+        with NodeCensus({}) as census:
+            call()
+        main = max(census.op_bytes, key=census.op_bytes.__getitem__)  # not the allocations around it
+        rates.setdefault(main, sum(census.op_bytes.values()) / _best_seconds(call, device, 5))
+    return rates
 
 
 def _matmul_flops_per_s(device: torch.device, n: int) -> float:
@@ -239,5 +299,5 @@ def measure_seconds(op: Callable[..., Any], fake_args: tuple, fake_kwargs: dict,
     return _MEASURED[key]
 
 
-__all__ = ["DeviceSpeed", "MEASURE_REPEATS", "TIME_MODELS", "T_SECONDS", "device_speed",
-           "measure_seconds", "op_key", "op_traffic", "real_like"]
+__all__ = ["DeviceSpeed", "MEASURE_REPEATS", "SLOW_OP_PROBES", "TIME_MODELS", "T_SECONDS", "device_speed",
+           "measure_seconds", "op_key", "op_kind", "op_traffic", "real_like"]

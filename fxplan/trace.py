@@ -168,12 +168,13 @@ def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict[str, 
 
 class _NodeRecord:
     __slots__ = ("out_bytes", "flops", "saved_storages", "out_storages", "numel", "alias_storage", "mutates",
-                 "bytes_moved", "ops", "device", "call", "forward_rise")
+                 "bytes_moved", "op_bytes", "ops", "device", "call", "forward_rise")
 
     def __init__(self):
         self.out_bytes = 0
         self.flops = 0
         self.bytes_moved = 0
+        self.op_bytes: dict[str, int] = {}
         self.ops = 0
         self.device: torch.device | None = None
         self.call: tuple[tuple, dict] = ((), {})  # the node's (fake) arguments, for the measured cost model
@@ -237,6 +238,7 @@ class _CostPropagator(torch.fx.Interpreter):
         record.forward_rise = census.peak_bytes
         record.mutates = tuple(census.written)
         record.flops, record.bytes_moved, record.ops = census.flops, census.bytes_moved, census.ops
+        record.op_bytes = census.op_bytes
         record.device = next((t.device for t in tensors((out, record.call))), None)
         for t in tensors(out):
             key = t.untyped_storage()._cdata
@@ -517,7 +519,7 @@ def _time_costs(cg: CostGraph, gm: torch.fx.GraphModule, propagator: _CostPropag
     nodes = {n.name: n for n in gm.graph.nodes}
     for name in cg.nodes:
         rec = records[name]
-        seconds = speed.seconds(rec.flops, rec.bytes_moved, rec.ops)
+        seconds = speed.seconds(rec.flops, rec.bytes_moved, rec.ops, rec.op_bytes)
         if cost_model == "measured" and rec.ops:
             try:
                 seconds = measure_seconds(_real_op(gm, nodes[name]), *rec.call, device)

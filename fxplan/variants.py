@@ -14,7 +14,8 @@ regions' own recomputation included):
 - ``strategy="memory"``: the lower measured peak.
 
 Each search is monotone in the budget, so the choice is too: a larger budget never recomputes more.
-The smallest measured peak is the lower of the two searches', and that budget is accepted.
+The smallest measured peak is the lower of the two searches', and that budget is accepted. ``solver="chen"``
+searches the captured graph only: Chen's plans stay the paper's baseline.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class Searches:
         self.model, self.inputs, self.solver, self.loss_fn = model, example_inputs, solver, loss_fn
         self.plain = Variant(Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn), [])
         captured = cg.graph["captured"]
-        self._regions = find_regions(captured.gm) if captured.method == "symbolic_trace" else []
+        # Chen's plans stay the paper's baseline (fxplan.search): no regions for solver="chen"
+        self._regions = find_regions(captured.gm) if captured.method == "symbolic_trace" and solver != "chen" else []
         self._with_regions: Variant | None = None
 
     @property

@@ -140,8 +140,8 @@ def test_the_replay_counts_what_a_region_keeps_and_its_weights_gradients():
     captured = capture(model, (x,))
     cg = trace(model, (x,), captured=with_regions(captured, find_regions(captured.gm)))
     names = list(cg.nodes)
-    third = len(names) // 3
-    for segments in ([names], [names[:third], names[third:]], [names[:third], names[third:2 * third], names[2 * third:]]):
+    a, b = len(names) // 3, 2 * len(names) // 3
+    for segments in ([names], [names[:a], names[a:]], [names[:a], names[a:b], names[b:]]):
         predicted = replay(cg, step_model(cg, model, (x,)), segments).peak_bytes
         module = segment_module(cg.graph["gm"], segments)
         measured = measure_step(module, (x,), fake=True).peak_bytes

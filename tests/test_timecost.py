@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxplan import timing
+from fxplan import timecost, timing
 from fxplan.errors import FxplanError
 from fxplan.op_census import NodeCensus
 from fxplan.plans import Plan
@@ -49,8 +49,6 @@ def test_bytes_moved_per_aten_op():
 
 def test_device_speed_is_measured_once_per_machine(tmp_path, monkeypatch):
     """The figures are read back from the cache file, so every process plans with the same costs."""
-    from fxplan import timecost
-
     monkeypatch.setenv(timecost.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(timecost, "_SPEEDS", {})
     measured = device_speed("cpu")
@@ -59,6 +57,29 @@ def test_device_speed_is_measured_once_per_machine(tmp_path, monkeypatch):
     timecost._write_cache({timecost._machine_key(torch.device("cpu")): dataclasses.asdict(planted)})
     monkeypatch.setattr(timecost, "_SPEEDS", {})  # a new process
     assert device_speed("cpu") == planted
+
+
+def test_slow_op_kinds_are_priced_at_their_own_rate():
+    """An op kind the benchmark found slow moves its bytes at its rate; the kinds the benchmark names are the
+    ones a trace records (a BatchNorm in training apart from one in evaluation)."""
+    speed = timecost.DeviceSpeed("cpu", 1e9, 2e9, 0.0, 1, {"native_batch_norm[True]": 1e8})
+    assert speed.seconds(0, 4e8, 0, {"native_batch_norm[True]": 1e8, "relu": 3e8}) == pytest.approx(1.0 + 0.15)
+    assert speed.seconds(0, 4e8, 0) == pytest.approx(0.2)
+    x = torch.randn(2, 8, 8, 8)
+    with NodeCensus({}) as train:
+        timecost.SLOW_OP_PROBES["batch norm (training)"](x)()
+    with NodeCensus({}) as model_census:
+        nn.BatchNorm2d(8).train()(x)
+    with NodeCensus({}) as evaluation:
+        nn.BatchNorm2d(8).eval()(x)
+    for census in (train, model_census):
+        assert "native_batch_norm[True]" in census.op_bytes
+    assert "native_batch_norm[False]" in evaluation.op_bytes and "native_batch_norm[True]" not in evaluation.op_bytes
+    with NodeCensus({}) as pool:
+        nn.MaxPool2d(3, 2, 1)(x)
+    with NodeCensus({}) as probe:
+        timecost.SLOW_OP_PROBES["max pooling"](x)()
+    assert set(pool.op_bytes) == set(probe.op_bytes) == {"max_pool2d_with_indices"}
 
 
 def test_roofline_prices_memory_bound_ops():
