@@ -5,14 +5,14 @@ Usage: python scripts/step_time.py [NAME ...] [--batch-size N] [--input-size H] 
 
 For each network (real tensors on the CPU, or CUDA when available) and each cost model of
 ``fxplan.trace`` (``flops``: the time model before fxplan.timecost; ``roofline``: the default): the
-time-centric plan at the smallest budget fxplan reaches (nested plans included, as
-``fxplan.rewrite(model, None)``), and at the budget halfway between that smallest measured peak (the
-least over the cost models) and vanilla's, and at ``--fractions`` of vanilla's peak (issue 11's goal beyond
-its bar: 0.5). All modules are then timed
-together by :func:`fxplan.timing.time_interleaved` (warm-up round, rotated interleaved rounds, fixed
-thread count); the table gives each one's median step, its ratio to vanilla as the median and
-interquartile range of per-round ratios ("within noise" when that range contains 1.0), and the
-predicted (Plan.predicted_extra_seconds) against the measured extra seconds per step.
+time-centric plan at the smallest budget fxplan reaches (nested plans and recomputed regions included, as
+``fxplan.rewrite(model, None)`` chooses: :mod:`fxplan.variants`), and at the budget halfway between that
+smallest measured peak (the least over the cost models) and vanilla's, and at ``--fractions`` of vanilla's
+peak (issue 11's goal beyond its bar: 0.5). All modules are then timed together by
+:func:`fxplan.timing.time_interleaved` (warm-up round, rotated interleaved rounds, fixed thread count);
+the table gives each one's median step, its ratio to vanilla as the median and interquartile range of
+per-round ratios ("within noise" when that range contains 1.0), and the predicted
+(Plan.predicted_extra_seconds) against the measured extra seconds per step.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import models_zoo
 from fxplan.console import format_table
 from fxplan.errors import BudgetError
 from fxplan.measure import GiB, measure_step
-from fxplan.search import Search
 from fxplan.timing import MIN_STEP_SECONDS, describe_ratio, fixed_threads, time_interleaved, training_step
 from fxplan.trace import trace
+from fxplan.variants import Searches
 
 
 def main() -> None:
@@ -62,9 +62,9 @@ def measure_network(name: str, args: argparse.Namespace, device: torch.device) -
     searches = {}
     for cm in args.cost_models:
         print(f"{name}: tracing and searching ({cm})", file=sys.stderr, flush=True)
-        searches[cm] = Search(trace(model, inputs, cost_model=cm), model, inputs, solver="approx",
-                              loss_fn=entry.loss)
-    smallest = min(s.lowest().measured for s in searches.values())
+        searches[cm] = Searches(trace(model, inputs, cost_model=cm), model, inputs, solver="approx",
+                                loss_fn=entry.loss)
+    smallest = min(s.lowest() for s in searches.values())
     middle = (smallest + vanilla_peak) // 2
     budgets = [("time@middle", middle), ("time@smallest", None)]
     budgets += [(f"time@{f:.0%}", int(f * vanilla_peak)) for f in args.fractions]
@@ -73,7 +73,8 @@ def measure_network(name: str, args: argparse.Namespace, device: torch.device) -
         for label, budget in budgets:
             print(f"{name}: planning {label} ({cm})", file=sys.stderr, flush=True)
             try:
-                modules[f"{label}|{cm}"] = search.result(search.choose(budget, "time"), budget)
+                chosen = search.choose(budget, "time")
+                modules[f"{label}|{cm}"] = chosen.variant.result(chosen.candidate, budget)
             except BudgetError as exc:
                 print(f"{name}: {label} ({cm}): no plan fits; {exc.min_feasible_bytes / GiB:.3f} GiB is the least",
                       flush=True)
@@ -92,8 +93,10 @@ def measure_network(name: str, args: argparse.Namespace, device: torch.device) -
         peak = plan.measured_peak_bytes if plan else vanilla_peak
         low, high = t.ratio_range or (None, None)
         extra = plan.predicted_extra_seconds if plan else None
-        rows.append((name, label, cm or "-", f"{peak / GiB:.3f}", f"{peak / vanilla_peak - 1:+.1%}",
-                     f"{plan.recompute_fraction:.1%}" if plan else "0", f"{t.median:.3f}",
+        recompute = "0" if not plan else f"{plan.recompute_fraction:.1%}" + (
+            f" ({len(plan.regions)} regions)" if plan.regions else "")
+        rows.append((name, label, cm or "-", f"{peak / GiB:.3f}", f"{peak / vanilla_peak - 1:+.1%}", recompute,
+                     f"{t.median:.3f}",
                      describe_ratio(t.ratio, low, high),
                      "-" if extra is None else f"{extra:.3f}",
                      "-" if not plan else f"{t.median - base:+.3f}"))
