@@ -5,7 +5,7 @@ Usage: python scripts/time_models.py [NAME] [--batch-size N] [--input-size H] [-
 Traces the network once per cost model (flops, roofline, measured), prints the seconds each trace took,
 the predicted forward seconds (time models) and the share of T per op kind (conv, bn, relu, add, ...),
 beside the median of 3 real forward passes of the model for scale. The measured device speed (FLOP/s,
-bandwidth, per-op seconds) used by the roofline is printed first.
+bandwidth, per-op seconds, and the op kinds priced at their own rate) used by the roofline is printed first.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def main() -> None:
     with fixed_threads(args.threads):
         speed = device_speed("cpu")
         print(f"cpu, {args.threads} threads: {speed.flops_per_s / 1e9:.1f} GFLOP/s, "
-              f"{speed.bytes_per_s / 1e9:.2f} GB/s, {1e6 * speed.op_seconds:.2f} us per op")
+              f"{speed.bytes_per_s / 1e9:.2f} GB/s, {1e6 * speed.op_seconds:.2f} us per op; priced apart: "
+              + (", ".join(f"{kind} {rate / 1e9:.2f} GB/s" for kind, rate in speed.op_bytes_per_s.items()) or "none"))
         forwards = []
         with torch.no_grad():
             for _ in range(4):

@@ -6,6 +6,7 @@ meter agree on it, and that ``fxplan.rewrite`` chooses between the graph with an
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -101,6 +102,23 @@ def test_the_graph_with_regions_computes_the_same_bits(make, shape):
     assert_same_step(reference, regions, x, steps=1)
     with torch.no_grad():
         assert torch.equal(reference(x), regions(x))
+
+
+def test_copies_saved_modules_and_autocast():
+    """A module with regions deep-copies and saves like any GraphModule; under autocast a region runs as the
+    plain chain, so it computes what the model does there too."""
+    model = small_densenet()
+    x = torch.randn(2, 3, 32, 32)
+    regions = regions_module(model, x)
+    assert_same_step(copy.deepcopy(model), copy.deepcopy(regions), x)
+    buffer = io.BytesIO()
+    torch.save(regions, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert_same_step(copy.deepcopy(model), loaded, x)
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_same_step(reference, regions, x, steps=1)
 
 
 def test_frozen_parameters_and_inputs_that_need_gradients():
