@@ -26,7 +26,6 @@ between the graph with and without regions is the budget search's (:mod:`fxplan.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +90,6 @@ def with_regions(captured: Captured, regions: list[Region] | list[str]) -> Captu
     ends = {name: by_conv[name] for name in wanted}
     inside = {name for r in ends.values() for name in r.recomputed}
     graph = fx.Graph()
-    graph._codegen = copy.deepcopy(source.graph._codegen)
     env: dict[fx.Node, fx.Node] = {}
     for node in source.graph.nodes:
         if node.name in ends:
@@ -100,10 +98,20 @@ def with_regions(captured: Captured, regions: list[Region] | list[str]) -> Captu
             env[node] = graph.node_copy(node, env.__getitem__)
     attributes = {n.target: vars(source)[n.target] for n in graph.nodes
                   if n.op == "get_attr" and n.target in vars(source)}  # what the capture made up
-    gm = owning_graph_module(source, graph, attributes, class_name=type(source).__name__)
+    draft = owning_graph_module(source, graph, attributes, class_name=type(source).__name__)
+    # the node names a re-trace of the code gives, as torch.load makes them: a rewritten module finds its
+    # segments' nodes again by name after loading
+    gm = owning_graph_module(source, _AllLeaves().trace(draft), attributes, class_name=type(source).__name__)
     gm.meta.update(source.meta)
     gm.graph.lint()
     return Captured(gm, captured.method, captured.interface)
+
+
+class _AllLeaves(fx.Tracer):
+    """Traces a GraphModule's code again as ``torch.load`` does: every submodule is a leaf."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
 
 
 def recompute_cost(cg: CostGraph, regions: list[Region]) -> float:
@@ -112,17 +120,16 @@ def recompute_cost(cg: CostGraph, regions: list[Region]) -> float:
 
 
 def _region_node(graph: fx.Graph, conv: fx.Node, region: Region, env: dict[fx.Node, fx.Node]) -> fx.Node:
-    """The node running ``region`` (ending at ``conv`` of the source graph) in ``graph``."""
+    """The node running ``region`` (ending at ``conv`` of the source graph) in ``graph`` (named by the re-trace
+    of :func:`with_regions`)."""
     norm = conv.args[0].args[0]
     if region.cat is not None:
         cat = norm.args[0]
         inputs, cat_dim = tuple(cat.args[0]), _cat_dim(cat)
     else:
         inputs, cat_dim = (norm.args[0],), None
-    conv_module = graph.create_node("get_attr", conv.target, name=f"{conv.name}_module")
-    norm_module = graph.create_node("get_attr", norm.target, name=f"{norm.name}_module")
-    return graph.create_node("call_function", conv_of_recomputed_region,
-                             (conv_module, norm_module, cat_dim, *(env[i] for i in inputs)), name=conv.name)
+    modules = (graph.get_attr(conv.target), graph.get_attr(norm.target))
+    return graph.call_function(conv_of_recomputed_region, (*modules, cat_dim, *(env[i] for i in inputs)))
 
 
 def _is_module(gm: fx.GraphModule, node: fx.Node, classes: tuple[type, ...]) -> bool:
@@ -172,10 +179,26 @@ def conv_of_recomputed_region(conv: nn.Module, norm: nn.Module, cat_dim: int | N
     """``conv(relu(norm(cat(inputs, cat_dim) or inputs[0])))``, keeping only the inputs and the weight for
     backward where that is exact (module docstring), else the plain chain."""
     x0 = inputs[0]
+    if isinstance(x0, fx.Proxy):  # traced again (torch.load re-traces a GraphModule's code): one node again
+        return _traced_again(x0.tracer, conv, norm, cat_dim, inputs)
     if not torch.is_grad_enabled() or torch.is_autocast_enabled(x0.device.type) \
             or torch._C._are_functorch_transforms_active() or x0.dim() != conv.weight.dim():
         return conv(F.relu(norm(_joined(inputs, cat_dim))))
     return _RecomputedRegion.apply(conv, norm, cat_dim, conv.weight, conv.bias, norm.weight, norm.bias, *inputs)
+
+
+def _traced_again(tracer: fx.Tracer, conv: nn.Module, norm: nn.Module, cat_dim: int | None,
+                  inputs: tuple[fx.Proxy, ...]) -> fx.Proxy:
+    """The region's nodes as :func:`with_regions` makes them, with the same names (a rewritten module
+    names its segments' nodes, and finds them again by name after ``torch.load``)."""
+    graph, path = tracer.graph, tracer.path_of_module(conv)
+    name = graph._target_to_str(path)
+    conv_module = graph.create_node("get_attr", path, name=f"{name}_module")
+    norm_module = graph.create_node("get_attr", tracer.path_of_module(norm),
+                                    name=f"{graph._target_to_str(tracer.path_of_module(norm))}_module")
+    node = graph.create_node("call_function", conv_of_recomputed_region,
+                             (conv_module, norm_module, cat_dim, *(p.node for p in inputs)), name=name)
+    return fx.Proxy(node, tracer)
 
 
 def _joined(inputs: tuple[torch.Tensor, ...], cat_dim: int | None) -> torch.Tensor:

@@ -221,5 +221,9 @@ def test_a_plan_with_regions_runs_again_from_json():
     assert again.fxplan_measured_peak_bytes == plan.measured_peak_bytes
     assert fxplan.rewrite(model, plan=plan).code == planned.code  # without inputs: symbolic_trace
     assert_same_step(copy.deepcopy(model), again, x)
+    buffer = io.BytesIO()
+    torch.save(again, buffer)  # segments over regions: both are traced again on loading
+    buffer.seek(0)
+    assert_same_step(copy.deepcopy(model), torch.load(buffer, weights_only=False), x)
     with pytest.raises(FxplanError, match="no recomputed region"):
         fxplan.rewrite(model, plan=Plan.from_dict({**plan.to_dict(), "regions": ["features_conv0"]}))
