@@ -183,7 +183,7 @@ def conv_of_recomputed_region(conv: nn.Module, norm: nn.Module, cat_dim: int | N
         return _traced_again(x0.tracer, conv, norm, cat_dim, inputs)
     if not torch.is_grad_enabled() or torch.is_autocast_enabled(x0.device.type) \
             or torch._C._are_functorch_transforms_active() or x0.dim() != conv.weight.dim():
-        return conv(F.relu(norm(_joined(inputs, cat_dim))))
+        return conv(F.relu(norm(_joined(inputs, cat_dim)), inplace=True))
     return _RecomputedRegion.apply(conv, norm, cat_dim, conv.weight, conv.bias, norm.weight, norm.bias, *inputs)
 
 
@@ -214,7 +214,7 @@ class _RecomputedRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, conv, norm, cat_dim, conv_weight, conv_bias, norm_weight, norm_bias, *inputs):
         use_batch_stats = norm.training or norm.running_mean is None
-        y = conv._conv_forward(F.relu(norm(_joined(inputs, cat_dim))), conv_weight, conv_bias)
+        y = conv._conv_forward(F.relu(norm(_joined(inputs, cat_dim)), inplace=True), conv_weight, conv_bias)
         # In eval mode the output depends on the running statistics: saved, so that a change before
         # backward is an autograd error rather than a different gradient.
         stats = () if use_batch_stats or norm.running_mean is None else (norm.running_mean, norm.running_var)
@@ -234,7 +234,8 @@ class _RecomputedRegion(torch.autograd.Function):
         with torch.enable_grad():
             w, b = _leaf(norm_weight, needs[5]), _leaf(norm_bias, needs[6])
             leaves = [_leaf(t, needs[7 + i]) for i, t in enumerate(inputs)]
-            h = F.relu(_norm_again(ctx.norm, _joined(tuple(leaves), ctx.cat_dim), w, b, ctx.use_batch_stats, stats))
+            y = _norm_again(ctx.norm, _joined(tuple(leaves), ctx.cat_dim), w, b, ctx.use_batch_stats, stats)
+            h = F.relu(y, inplace=True)  # as the model's ReLU may: the norm's backward needs not its output
         conv = ctx.conv
         grad_h, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
             grad, h.detach(), conv_weight, None if conv_bias is None else [conv_bias.shape[0]], list(conv.stride),
@@ -252,7 +253,7 @@ def _chain_gradients(ctx, grad: torch.Tensor, tensors: tuple, stats: tuple) -> l
     tensors = tuple(None if t is None else t.view_as(t) for t in tensors)
     conv_weight, conv_bias, norm_weight, norm_bias, *inputs = tensors
     h = F.relu(_norm_again(ctx.norm, _joined(tuple(inputs), ctx.cat_dim), norm_weight, norm_bias,
-                           ctx.use_batch_stats, stats))
+                           ctx.use_batch_stats, stats), inplace=True)
     y = ctx.conv._conv_forward(h, conv_weight, conv_bias)
     needed = [t for t, need in zip(tensors, ctx.needs_input_grad[3:]) if need]
     grads = iter(torch.autograd.grad(y, needed, grad, create_graph=True, allow_unused=True))

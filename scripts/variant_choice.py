@@ -1,0 +1,81 @@
+"""The choice between the graph as captured and the graph with recomputed regions, measured side by side.
+
+Usage: python scripts/variant_choice.py NAME --fractions F [F ...] [--batch-size N] [--input-size H]
+                                        [--rounds R] [--threads K]
+
+For each budget (a fraction of vanilla's fake-tensor peak), both searches of ``fxplan.variants`` choose
+their plan (the captured graph's and the graph-with-regions'), and the script says which one
+``fxplan.rewrite`` takes. Every plan's step is then timed interleaved with vanilla's
+(:func:`fxplan.timing.time_interleaved`); the table gives each plan's measured peak as a fraction of
+vanilla's, its recomputation, the predicted extra seconds (``Plan.predicted_extra_seconds``: the ranking
+the choice uses) and the measured step ratio (median and interquartile range of per-round ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import models_zoo
+from fxplan.console import format_table
+from fxplan.errors import BudgetError
+from fxplan.measure import measure_step
+from fxplan.timing import describe_ratio, fixed_threads, time_interleaved, training_step
+from fxplan.trace import trace
+from fxplan.variants import Searches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name")
+    parser.add_argument("--fractions", nargs="+", type=float, required=True)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--input-size", type=int, default=224)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    entry = models_zoo.get(args.name)
+    torch.manual_seed(0)
+    model = entry.build()
+    inputs = entry.example_inputs(args.batch_size, args.input_size)
+    vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
+    start = time.perf_counter()
+    searches = Searches(trace(model, inputs), model, inputs, solver="approx", loss_fn=entry.loss)
+    searches.with_regions()
+    modules, taken = {"vanilla": model}, {}
+    for fraction in args.fractions:
+        budget = int(fraction * vanilla)
+        for variant in searches.variants:
+            label = f"{'regions' if variant.regions else 'captured'}@{fraction:g}"
+            try:
+                modules[label] = variant.result(variant.search.choose(budget, "time"), budget)
+            except BudgetError:
+                print(f"{label}: no plan fits", flush=True)
+        try:
+            chosen = searches.choose(budget, "time")
+            taken[fraction] = "regions" if chosen.variant.regions else "captured"
+        except BudgetError:
+            taken[fraction] = "none fits"
+    print(f"{args.name}, batch {args.batch_size}, {args.input_size}²: planned in {time.perf_counter() - start:.1f} s; "
+          "fxplan.rewrite takes: " + ", ".join(f"{f:g} -> {v}" for f, v in taken.items()), flush=True)
+    with fixed_threads(args.threads):
+        timings = time_interleaved({k: training_step(m, inputs, entry.loss) for k, m in modules.items()},
+                                   baseline="vanilla", rounds=args.rounds, warmup=1,
+                                   on_round=lambda r: print(r, file=sys.stderr, flush=True))
+    rows = []
+    for key, module in modules.items():
+        plan = getattr(module, "fxplan_plan", None)
+        t = timings[key]
+        extra = plan.predicted_extra_seconds if plan else None
+        rows.append((key, f"{(plan.measured_peak_bytes if plan else vanilla) / vanilla:.3f}",
+                     f"{plan.recompute_fraction:.1%}" if plan else "0", "-" if extra is None else f"{extra:.3f}",
+                     f"{t.median:.3f}", describe_ratio(t.ratio, *(t.ratio_range or (None, None)))))
+    print(format_table(("plan", "peak / vanilla", "recompute", "extra s predicted", "step s", "ratio to vanilla"),
+                       rows))
+
+
+if __name__ == "__main__":
+    main()
