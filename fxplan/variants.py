@@ -7,8 +7,9 @@ choice spans both searches on one scale, the forward cost recomputed per step (t
 regions' own recomputation included):
 
 - a budget: of the two searches' choices that fit, the one that recomputes least (ties: the lower
-  measured peak); the graph with regions is searched only where the captured one's choice recomputes
-  something or nothing fits (a budget met without recomputation cannot be met cheaper);
+  measured peak); the graph with regions is searched (traced on first need) only where nothing fits the
+  captured one or its choice recomputes more than the regions alone do (no plan with regions recomputes
+  less than that);
 - no budget (the smallest peak): the least recomputation among the two choices within
   :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
 - ``strategy="memory"``: the lower measured peak.
@@ -87,6 +88,7 @@ class Searches:
         captured = cg.graph["captured"]
         # Chen's plans stay the paper's baseline (fxplan.search): no regions for solver="chen"
         self._regions = find_regions(captured.gm) if captured.method == "symbolic_trace" and solver != "chen" else []
+        self._region_T = recompute_cost(cg, self._regions)  # what any plan with regions recomputes, at least
         self._with_regions: Variant | None = None
 
     @property
@@ -110,7 +112,7 @@ class Searches:
                 self._regions = []
                 return None
             search = Search(traced, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
-            self._with_regions = Variant(search, self._regions, recompute_cost(cg, self._regions))
+            self._with_regions = Variant(search, self._regions, self._region_T)
             logger.info("fxplan: traced the graph with %d recomputed regions (convolutions keeping their output) "
                         "in %.1f s", len(self._regions), time.perf_counter() - t0)
         return self._with_regions
@@ -124,7 +126,7 @@ class Searches:
         BudgetError with the smaller of the two smallest peaks where neither search fits."""
         plain = _attempt(self.plain, budget_bytes, strategy)
         needs_more = isinstance(plain, BudgetError) or budget_bytes is None or strategy == "memory" \
-            or plain.candidate.recompute > 0
+            or self._region_T < plain.cost[0]
         other = self.with_regions() if needs_more else None
         outcomes = [plain] + ([_attempt(other, budget_bytes, strategy)] if other else [])
         fits = [o for o in outcomes if isinstance(o, Choice)]
