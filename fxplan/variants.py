@@ -65,6 +65,8 @@ class Variant:
 
 @dataclass
 class Choice:
+    """A search's candidate for a budget, with the graph it runs on."""
+
     variant: Variant
     candidate: Candidate
 
@@ -74,6 +76,7 @@ class Choice:
 
     @property
     def cost(self) -> tuple[float, int]:
+        """What the choice across graphs minimises: forward cost recomputed per step, then measured peak."""
         return self.variant.recomputed_T(self.candidate), self.candidate.measured
 
 
@@ -141,10 +144,12 @@ class Searches:
 
     @property
     def candidates(self) -> int:
+        """Candidate plans generated so far, over both graphs (for the log)."""
         return sum(len(v.search.candidates) for v in self.variants)
 
     @property
     def steps(self) -> int:
+        """Plans measured on fake tensors so far, over both graphs (for the log)."""
         return sum(v.search.meter.steps for v in self.variants)
 
 

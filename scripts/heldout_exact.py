@@ -64,7 +64,7 @@ def check(name: str) -> None:
         plan = opt.fxplan_plan
         print(f"{name}: budget {'None' if budget is None else f'{budget:.6f} GiB'}: exact (train, eval, buffers, "
               f"state_dict), measured peak {opt.fxplan_measured_peak_bytes} bytes, {plan.num_segments} segments, "
-              f"recompute {plan.recompute_fraction:.3f}", flush=True)
+              f"{len(plan.regions)} recomputed regions, recompute {plan.recompute_fraction:.3f}", flush=True)
         if budget is None:
             budget = (opt.fxplan_measured_peak_bytes + vanilla) / 2 / 2**30
     print(f"{name}: vanilla peak {vanilla} bytes, {time.perf_counter() - start:.0f} s", flush=True)
