@@ -35,6 +35,7 @@ from torch import nn
 
 from fxplan.capture import Captured, owning_graph_module
 from fxplan.costgraph import CostGraph
+from fxplan.effects import alias_roots, mutated_arg
 from fxplan.errors import FxplanError
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -57,8 +58,11 @@ class Region:
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:
-    """The recomputed regions of ``gm`` (module docstring), in graph order."""
+    """The recomputed regions of ``gm`` (module docstring), in graph order. A region whose inputs are
+    overwritten in place after it runs is left out: it keeps them for its backward, where the model's
+    BatchNorm kept a concatenation of them (autograd would refuse the step where the model runs)."""
     found = []
+    written_after = _written_after(gm)
     for conv in gm.graph.nodes:
         if not (_is_module(gm, conv, _CONVS) and _plain_conv(gm.get_submodule(conv.target))
                 and len(conv.args) == 1 and not conv.kwargs):
@@ -72,8 +76,23 @@ def find_regions(gm: fx.GraphModule) -> list[Region]:
             continue
         x = norm.args[0]
         cat = x if isinstance(x, fx.Node) and _is_cat(x) and _only_reader(x, norm) else None
+        inputs = cat.args[0] if cat is not None else (x,)
+        if any(written_after(i, conv) for i in inputs if isinstance(i, fx.Node)):
+            continue
         found.append(Region(conv.name, relu.name, norm.name, cat.name if cat else None))
     return found
+
+
+def _written_after(gm: fx.GraphModule):
+    """``(value, node) -> bool``: whether the storage of ``value`` is overwritten in place after ``node``."""
+    roots = alias_roots(gm.graph, gm)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    last_write: dict[fx.Node, int] = {}
+    for n in gm.graph.nodes:
+        target = mutated_arg(n, gm) if n.op in ("call_module", "call_function", "call_method") else None
+        if target is not None:
+            last_write[roots.get(target, target)] = position[n]
+    return lambda value, node: last_write.get(roots.get(value, value), -1) > position[node]
 
 
 def with_regions(captured: Captured, regions: list[Region] | list[str]) -> Captured:

@@ -122,7 +122,10 @@ class Searches:
 
     def lowest(self) -> int:
         """The smallest measured peak of either search (bytes)."""
-        return min(v.search.lowest().measured for v in filter(None, [self.plain, self.with_regions()]))
+        plain = self.plain.search.lowest().measured
+        other = self.with_regions()
+        regions = self._guarded(lambda: other.search.lowest().measured) if other else None
+        return plain if regions is None else min(plain, regions)
 
     def choose(self, budget_bytes: int | None, strategy: str) -> Choice:
         """The choice for a whole-step budget (bytes; None: the smallest) and strategy (module docstring);
@@ -131,7 +134,8 @@ class Searches:
         needs_more = isinstance(plain, BudgetError) or budget_bytes is None or strategy == "memory" \
             or self._region_T < plain.cost[0]
         other = self.with_regions() if needs_more else None
-        outcomes = [plain] + ([_attempt(other, budget_bytes, strategy)] if other else [])
+        outcome = self._guarded(lambda: _attempt(other, budget_bytes, strategy)) if other else None
+        outcomes = [plain] + ([outcome] if outcome is not None else [])
         fits = [o for o in outcomes if isinstance(o, Choice)]
         if not fits:
             raise min(outcomes, key=lambda e: e.min_feasible_bytes or math.inf)
@@ -141,6 +145,17 @@ class Searches:
             limit = math.floor(min(c.measured for c in fits) * (1 + NEGLIGIBLE))
             fits = [c for c in fits if c.measured <= limit]
         return min(fits, key=lambda c: c.cost)
+
+    def _guarded(self, run: Callable[[], Any]) -> Any:
+        """``run()`` on the graph with regions; where it fails (a model the regions do not suit), None and a
+        warning: the captured graph's answer stands, and the regions are not tried again."""
+        try:
+            return run()
+        except Exception as error:  # noqa: BLE001 (any failure of the optional graph leaves a complete answer)
+            logger.warning("fxplan: planning with recomputed regions failed (%s: %s); planning without them",
+                           type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+            self._regions, self._with_regions = [], None
+            return None
 
     @property
     def candidates(self) -> int:

@@ -33,6 +33,21 @@ def small_densenet() -> nn.Module:
     return torchvision.models.DenseNet(growth_rate=8, block_config=(2, 2), num_init_features=16, bn_size=2)
 
 
+class WritesAnInputLater(nn.Module):
+    """A concatenation's input overwritten in place after the region: the model's BatchNorm kept the
+    concatenation, so the step runs; a region keeping the input would not."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv0, self.bn, self.conv = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        a = self.conv0(x)
+        b = self.conv(F.relu(self.bn(torch.cat([a, a * 2], 1))))
+        a.relu_()
+        return b + a
+
+
 class PreActivation(nn.Module):
     """Regions of every supported shape: functional ReLU, a convolution with bias, BatchNorm without
     running statistics or affine parameters, Conv1d, and chains that must not match."""
@@ -86,6 +101,11 @@ def test_matches_the_supported_chains_only():
     assert [r.cat is not None for r in regions] == [False, True, False]
     densenet = find_regions(capture(small_densenet(), (torch.randn(2, 3, 32, 32),)).gm)
     assert len(densenet) == 9  # two convolutions per dense layer, one per transition
+    x = torch.randn(2, 3, 8, 8)
+    assert find_regions(capture(WritesAnInputLater(), (x,)).gm) == []
+    model = WritesAnInputLater()
+    step(model, x)  # the model itself trains
+    assert_same_step(copy.deepcopy(model), fxplan.rewrite(model, example_inputs=(x,)), x)
 
 
 @pytest.mark.parametrize("make,shape", [(small_densenet, (2, 3, 32, 32)), (PreActivation, (2, 3, 8, 8))])
@@ -227,3 +247,21 @@ def test_a_plan_with_regions_runs_again_from_json():
     assert_same_step(copy.deepcopy(model), torch.load(buffer, weights_only=False), x)
     with pytest.raises(FxplanError, match="no recomputed region"):
         fxplan.rewrite(model, plan=Plan.from_dict({**plan.to_dict(), "regions": ["features_conv0"]}))
+
+
+def test_a_failure_with_regions_leaves_the_captured_graphs_answer(caplog):
+    model = small_densenet().train()
+    x = torch.randn(4, 3, 64, 64)
+    searches = Searches(trace(model, (x,)), model, (x,), solver="approx")
+    regions = searches.with_regions()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a model the regions do not suit")
+
+    regions.search.choose = broken
+    plain = searches.plain.search.choose(None, "time")
+    with caplog.at_level("WARNING", logger="fxplan"):
+        chosen = searches.choose(None, "time")
+    assert chosen.variant is searches.plain and chosen.candidate is plain
+    assert "planning with recomputed regions failed (RuntimeError: a model the regions do not suit)" in caplog.text
+    assert searches.with_regions() is None and searches.variants == [searches.plain]
