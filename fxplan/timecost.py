@@ -11,8 +11,8 @@ whatever the plan, so its time does not enter the objective):
   (a float32 matrix product, a large copy and a tiny addition; well under a second) and kept in a
   cache file, so every process on the machine plans with the same costs. Works on fake tensors, so
   planning a model far larger than the machine still gets seconds. Ops that run far below the copy's
-  bandwidth on the device (on a 2-core CPU: BatchNorm in training 8-40x, max and average pooling
-  40-80x) would look almost free that way, and a plan would recompute them at no apparent cost: the same
+  bandwidth on the device (on a 2-core CPU BatchNorm in training and pooling, by factors the user guide
+  gives) would look almost free that way, and a plan would recompute them at no apparent cost: the same
   benchmark times one reference call of each such op (:data:`SLOW_OP_PROBES`) and its bytes are priced
   at the rate measured (``DeviceSpeed.op_bytes_per_s``) where that is below the copy's.
   Bytes moved are counted per ATen op (:func:`op_traffic`: the bytes of its tensor inputs plus the
