@@ -210,11 +210,11 @@ def _traced_again(tracer: fx.Tracer, conv: nn.Module, norm: nn.Module, cat_dim: 
                   inputs: tuple[fx.Proxy, ...]) -> fx.Proxy:
     """The region's nodes as :func:`with_regions` makes them, with the same names (a rewritten module
     names its segments' nodes, and finds them again by name after ``torch.load``)."""
-    graph, path = tracer.graph, tracer.path_of_module(conv)
-    name = graph._target_to_str(path)
-    conv_module = graph.create_node("get_attr", path, name=f"{name}_module")
-    norm_module = graph.create_node("get_attr", tracer.path_of_module(norm),
-                                    name=f"{graph._target_to_str(tracer.path_of_module(norm))}_module")
+    graph = tracer.graph
+    conv_path, norm_path = tracer.path_of_module(conv), tracer.path_of_module(norm)
+    name = graph._target_to_str(conv_path)  # the name fx gave the convolution's own node
+    conv_module = graph.create_node("get_attr", conv_path, name=f"{name}_module")
+    norm_module = graph.create_node("get_attr", norm_path, name=f"{graph._target_to_str(norm_path)}_module")
     node = graph.create_node("call_function", conv_of_recomputed_region,
                              (conv_module, norm_module, cat_dim, *(p.node for p in inputs)), name=name)
     return fx.Proxy(node, tracer)

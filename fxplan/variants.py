@@ -32,7 +32,7 @@ import torch
 
 from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
-from fxplan.errors import BudgetError, FxplanError
+from fxplan.errors import BudgetError
 from fxplan.regions import Region, find_regions, recompute_cost, with_regions
 from fxplan.search import NEGLIGIBLE, Candidate, Search
 from fxplan.trace import trace
@@ -106,13 +106,9 @@ class Searches:
         if self._with_regions is None:
             t0 = time.perf_counter()
             cg = self.plain.search.cg
-            try:
-                captured = with_regions(cg.graph["captured"], self._regions)
-                traced = trace(self.model, self.inputs, cost_model=cg.graph["cost_model"], captured=captured)
-            except FxplanError as error:  # the captured graph stays a complete answer: say why, go on without
-                logger.warning("fxplan: the graph with recomputed regions could not be traced (%s); planning "
-                               "without them", error)
-                self._regions = []
+            traced = self._guarded(lambda: trace(self.model, self.inputs, cost_model=cg.graph["cost_model"],
+                                                 captured=with_regions(cg.graph["captured"], self._regions)))
+            if traced is None:
                 return None
             search = Search(traced, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
             self._with_regions = Variant(search, self._regions, self._region_T)
