@@ -54,9 +54,10 @@ that budget is accepted.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -379,23 +380,28 @@ class Search:
                 groups.append([low, *others][:SEEDS_PER_SOLVER])
         return groups
 
-    def least_recompute(self, budget: int) -> Candidate | None:
-        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak).
+    def least_recompute(self, budget: int, most: float = math.inf) -> Candidate | None:
+        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak),
+        among those that recompute at most the fraction ``most`` (the frontier is walked no further).
 
         Where nothing is measured yet, the first measurement is of the candidate of least recomputation that
         the replay says fits: where the replay is right, it is trusted from then on (:meth:`_better`) and
         that candidate is the answer, in one fake step."""
+        def within(plans: Callable[[], Iterable[Candidate]]) -> Iterator[Candidate]:
+            return itertools.takewhile(lambda c: c.recompute <= most, plans())  # each source is by recompute
+
         if self.trust_replay and not self._measured():
-            first = next((c for plans in (self._walk, self.floor) for c in plans() if c.replayed <= budget), None)
+            first = next((c for plans in (self._walk, self.floor) for c in within(plans) if c.replayed <= budget),
+                         None)
             if first is not None:
                 self.measure(first)
         found: Candidate | None = None
-        for c in self._walk():  # recomputation never decreases along the walk
+        for c in within(self._walk):  # recomputation never decreases along the walk
             if found is not None and c.recompute > found.recompute:
                 break
             found = self._better(c, found, budget)
         if found is None or found.recompute > 0:
-            for c in self.floor():
+            for c in within(self.floor):
                 if found is not None and c.recompute > found.recompute:
                     break
                 found = self._better(c, found, budget)

@@ -6,10 +6,12 @@ graph with regions is searched as its own model (:class:`fxplan.search.Search`, 
 choice spans both searches on one scale, the forward cost recomputed per step (the cost graph's T, the
 regions' own recomputation included):
 
-- a budget: of the two searches' choices that fit, the one that recomputes least (ties: the lower
-  measured peak); the graph with regions is searched (traced on first need) only where nothing fits the
-  captured one or its choice recomputes more than the regions alone do (no plan with regions recomputes
-  less than that);
+- a budget: of the canonical plans of both searches (:class:`fxplan.search.Search`'s candidates, not
+  nested) that fit, the one that recomputes least (ties: the lower measured peak). Each frontier is walked
+  only as far as needed: the captured graph's up to the regions' own cost first (no plan with regions
+  recomputes less), and the graph with regions is traced on first need; where one of its plans fits, the
+  captured graph's walk goes on only up to that plan's cost. Where no canonical plan of either graph fits,
+  the two searches' nested plans (:mod:`fxplan.nested`) are compared the same way;
 - no budget (the smallest peak): the least recomputation among the two choices within
   :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
 - ``strategy="memory"``: the lower measured peak.
@@ -126,6 +128,10 @@ class Searches:
     def choose(self, budget_bytes: int | None, strategy: str) -> Choice:
         """The choice for a whole-step budget (bytes; None: the smallest) and strategy (module docstring);
         BudgetError with the smaller of the two smallest peaks where neither search fits."""
+        if budget_bytes is not None and strategy != "memory" and self._regions:
+            found = self._cheapest_canonical(budget_bytes)
+            if found is not None:
+                return found
         plain = _attempt(self.plain, budget_bytes, strategy)
         needs_more = isinstance(plain, BudgetError) or budget_bytes is None or strategy == "memory" \
             or self._region_T < plain.cost[0]
@@ -141,6 +147,27 @@ class Searches:
             limit = math.floor(min(c.measured for c in fits) * (1 + NEGLIGIBLE))
             fits = [c for c in fits if c.measured <= limit]
         return min(fits, key=lambda c: c.cost)
+
+    def _cheapest_canonical(self, budget_bytes: int) -> Choice | None:
+        """The canonical plan (no nesting) of least cost that fits the budget over both graphs, each searched
+        only as far as the other's answer requires; None where no canonical plan of either fits.
+
+        The captured graph's frontier is walked up to the regions' own cost first: a plan there that fits
+        costs less than any plan with regions, which is then not traced. Otherwise the graph with regions
+        gives its cheapest fit, and the captured graph's walk goes on up to that plan's cost."""
+        plain = self.plain.search
+        per_fraction = plain.cg.total_T() or 1.0  # a plain candidate's cost is its recompute fraction times this
+        cheap = plain.least_recompute(budget_bytes, most=self._region_T / per_fraction)
+        if cheap is not None:
+            return Choice(self.plain, cheap)
+        other = self.with_regions()
+        found = self._guarded(lambda: other.search.least_recompute(budget_bytes)) if other else None
+        if found is None:
+            cheap = plain.least_recompute(budget_bytes)
+            return None if cheap is None else Choice(self.plain, cheap)
+        best = Choice(other, found)
+        cheap = plain.least_recompute(budget_bytes, most=best.cost[0] / per_fraction)
+        return best if cheap is None else min(best, Choice(self.plain, cheap), key=lambda c: c.cost)
 
     def _guarded(self, run: Callable[[], Any]) -> Any:
         """``run()`` on the graph with regions; where it fails (a model the regions do not suit), None and a
