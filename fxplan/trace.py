@@ -318,12 +318,16 @@ class _CostPropagator(torch.fx.Interpreter):
             if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
                                            torch.memory_format)):
                 return x
+            if isinstance(x, torch.nn.Module):  # a module handed to a function (a recomputed region's)
+                return module_key(x)
             raise TypeError
+
+        def module_key(mod: torch.nn.Module) -> tuple:
+            return (type(mod), repr(mod), mod.training, tuple(describe(t) for t in (*mod.parameters(), *mod.buffers())))
 
         try:
             if node.op == "call_module":
-                mod = self.module.get_submodule(str(node.target))
-                op = (type(mod), repr(mod), mod.training, tuple(describe(p) for p in mod.parameters()))
+                op = module_key(self.module.get_submodule(str(node.target)))
             else:
                 op = node.target
             key = (node.op, op, describe(self.fetch_args_kwargs_from_env(node)))
