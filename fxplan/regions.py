@@ -97,10 +97,12 @@ def _written_after(gm: fx.GraphModule):
 
 def with_regions(captured: Captured, regions: list[Region] | list[str]) -> Captured:
     """A copy of the capture (same modules, same ``state_dict``) with the regions replaced, each by one
-    node named as its convolution was. ``regions``: as :func:`find_regions` gives them, or the names of their
-    convolutions (a plan's ``regions``); a name that is no region of this graph raises FxplanError."""
+    node named as its convolution was. ``regions``: as :func:`find_regions` gives them for this graph, or the
+    names of their convolutions (a plan's ``regions``); a name that is no region of this graph raises
+    FxplanError."""
     source = captured.gm
-    by_conv = {r.conv: r for r in find_regions(source)}
+    named = [r for r in regions if isinstance(r, str)]
+    by_conv = {r.conv: r for r in (find_regions(source) if named else regions)}
     wanted = [r if isinstance(r, str) else r.conv for r in regions]
     missing = [name for name in wanted if name not in by_conv]
     if missing:
@@ -136,6 +138,13 @@ class _AllLeaves(fx.Tracer):
 def recompute_cost(cg: CostGraph, regions: list[Region]) -> float:
     """T (the cost graph's units) the regions' backward recomputes: their norms, ReLUs, concatenations."""
     return float(sum(cg.nodes[name]["T"] for r in regions for name in r.recomputed))
+
+
+def dropped_bytes(cg: CostGraph, region: Region) -> int:
+    """Bytes of the values the region no longer keeps for backward (in the captured graph's cost graph): the
+    outputs of its norm, ReLU and concatenation that have storage of their own (an in-place ReLU's is the
+    norm's)."""
+    return sum(cg.nodes[name]["M"] for name in region.recomputed if cg.nodes[name].get("alias_of") is None)
 
 
 def _region_node(graph: fx.Graph, conv: fx.Node, region: Region, env: dict[fx.Node, fx.Node]) -> fx.Node:

@@ -1,20 +1,24 @@
-"""One budget search over two graphs of a model: as captured, and with its recomputed regions.
+"""One budget search over several graphs of a model: as captured, with its recomputed regions, and with subsets
+of them.
 
 A recomputed region (:mod:`fxplan.regions`) keeps a convolution's output and recomputes the BatchNorm and
-ReLU in front of it in every backward: memory saved at a fixed price, which a budget may not need. So the
-graph with regions is searched as its own model (:class:`fxplan.search.Search`, its own trace), and the
-choice spans both searches on one scale, the forward cost recomputed per step (the cost graph's T, the
-regions' own recomputation included):
+ReLU in front of it in every backward: memory saved at a fixed price, which a budget may not need, or need
+only in part. So the graph with every region is searched as its own model (:class:`fxplan.search.Search`,
+its own trace), and so are graphs with some of the regions (``REGION_SUBSETS``: the regions that drop the
+most bytes per unit of recomputation first, each subset's cost graph spliced from the two traces,
+:mod:`fxplan.splice`). The choice spans the searches on one scale, the forward cost recomputed per step
+(the cost graph's T, the regions' own recomputation included):
 
-- a budget: of the canonical plans of both searches (:class:`fxplan.search.Search`'s candidates, not
+- a budget: of the canonical plans of all searches (:class:`fxplan.search.Search`'s candidates, not
   nested) that fit, the one that recomputes least (ties: the lower measured peak). Each frontier is walked
-  only as far as needed: the captured graph's up to the regions' own cost first (no plan with regions
-  recomputes less), and the graph with regions is traced on first need; where one of its plans fits, the
-  captured graph's walk goes on only up to that plan's cost. Where no canonical plan of either graph fits,
-  the two searches' nested plans (:mod:`fxplan.nested`) are compared the same way;
-- no budget (the smallest peak): the least recomputation among the two choices within
-  :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
-- ``strategy="memory"``: the lower measured peak.
+  only as far as needed: the graphs are taken in order of what their regions alone cost, each walked up
+  to what the next one's regions cost (no plan of a later graph can recompute less), and once a plan fits,
+  no further than its cost; a graph with regions is traced or spliced on first need. Where no canonical
+  plan of any graph fits, the nested plans (:mod:`fxplan.nested`) of the captured graph and of the graph
+  with every region are compared the same way;
+- no budget (the smallest peak): the least recomputation among the two choices (captured graph, every
+  region) within :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
+- ``strategy="memory"``: the lower measured peak of those two.
 
 Each search is monotone in the budget, so the choice is too: a larger budget never recomputes more.
 The smallest measured peak is the lower of the two searches', and that budget is accepted. ``solver="chen"``
@@ -35,11 +39,18 @@ import torch
 from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError
-from fxplan.regions import Region, find_regions, recompute_cost, with_regions
+from fxplan.regions import Region, dropped_bytes, find_regions, recompute_cost, with_regions
 from fxplan.search import NEGLIGIBLE, Candidate, Search
+from fxplan.splice import SpliceError, spliced
 from fxplan.trace import trace
 
 logger = logging.getLogger("fxplan")
+
+#: The subsets of the regions searched for a budget besides all of them: the regions ranked by the bytes
+#: they drop per unit of T they recompute, cut where the ranking has dropped these fractions of what all of
+#: them drop. On DenseNet-161 (batch 16, 112²) they recomputed 0.07-0.15 of a forward pass less than the
+#: captured graph or every region at budgets of 42-55% of the plain step's peak (docs/results.md).
+REGION_SUBSETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 @dataclass
@@ -95,11 +106,12 @@ class Searches:
         self._regions = find_regions(captured.gm) if captured.method == "symbolic_trace" and solver != "chen" else []
         self._region_T = recompute_cost(cg, self._regions)  # what any plan with regions recomputes, at least
         self._with_regions: Variant | None = None
+        self._subsets: dict[tuple[str, ...], Variant] = {}  # the graphs with some regions, by their convolutions
 
     @property
     def variants(self) -> list[Variant]:
         """The searches made so far."""
-        return [self.plain] + ([self._with_regions] if self._with_regions else [])
+        return [self.plain] + ([self._with_regions] if self._with_regions else []) + list(self._subsets.values())
 
     def with_regions(self) -> Variant | None:
         """The search over the graph with every recomputed region (traced on first use); None without regions."""
@@ -117,6 +129,49 @@ class Searches:
             logger.info("fxplan: traced the graph with %d recomputed regions (convolutions keeping their output) "
                         "in %.1f s", len(self._regions), time.perf_counter() - t0)
         return self._with_regions
+
+    def with_subset(self, subset: list[Region]) -> Variant | None:
+        """The search over the graph with the regions ``subset`` (spliced from the captured graph's trace and
+        the graph with every region's, :mod:`fxplan.splice`; traced where they do not line up); None without
+        regions."""
+        key = tuple(r.conv for r in subset)
+        if key not in self._subsets:
+            every = self.with_regions()
+            if every is None:
+                return None
+            cg = self.plain.search.cg
+
+            def graph() -> CostGraph:
+                try:
+                    return spliced(cg, every.search.cg, self._regions, subset)
+                except SpliceError as error:
+                    logger.info("fxplan: tracing a graph with %d regions instead of splicing it (%s)",
+                                len(subset), error)
+                    return trace(self.model, self.inputs, cost_model=cg.graph["cost_model"],
+                                 captured=with_regions(cg.graph["captured"], subset))
+
+            made = self._guarded(graph)
+            if made is None:
+                return None
+            search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
+            self._subsets[key] = Variant(search, subset, recompute_cost(cg, subset))
+        return self._subsets[key]
+
+    def region_subsets(self) -> list[list[Region]]:
+        """The subsets of ``REGION_SUBSETS`` (module docstring), fewest first, each in graph order; neither empty
+        nor every region."""
+        cg = self.plain.search.cg
+        ranked = sorted(self._regions, key=lambda r: -dropped_bytes(cg, r) / max(recompute_cost(cg, [r]), 1e-12))
+        total = sum(dropped_bytes(cg, r) for r in ranked)
+        order = {r: i for i, r in enumerate(self._regions)}
+        subsets, dropped, k = [], 0, 0
+        for fraction in REGION_SUBSETS:
+            while k < len(ranked) and dropped < fraction * total:
+                dropped += dropped_bytes(cg, ranked[k])
+                k += 1
+            if 0 < k < len(ranked) and (not subsets or len(subsets[-1]) < k):
+                subsets.append(sorted(ranked[:k], key=order.__getitem__))
+        return subsets
 
     def lowest(self) -> int:
         """The smallest measured peak of either search (bytes)."""
@@ -149,25 +204,38 @@ class Searches:
         return min(fits, key=lambda c: c.cost)
 
     def _cheapest_canonical(self, budget_bytes: int) -> Choice | None:
-        """The canonical plan (no nesting) of least cost that fits the budget over both graphs, each searched
-        only as far as the other's answer requires; None where no canonical plan of either fits.
+        """The canonical plan (no nesting) of least cost that fits the budget over the captured graph and the
+        graphs with regions, each searched only as far as the others' answers require; None where no canonical
+        plan of any fits.
 
-        The captured graph's frontier is walked up to the regions' own cost first: a plan there that fits
-        costs less than any plan with regions, which is then not traced. Otherwise the graph with regions
-        gives its cheapest fit, and the captured graph's walk goes on up to that plan's cost."""
-        plain = self.plain.search
-        per_fraction = plain.cg.total_T() or 1.0  # a plain candidate's cost is its recompute fraction times this
-        cheap = plain.least_recompute(budget_bytes, most=self._region_T / per_fraction)
-        if cheap is not None:
-            return Choice(self.plain, cheap)
-        other = self.with_regions()
-        found = self._guarded(lambda: other.search.least_recompute(budget_bytes)) if other else None
-        if found is None:
-            cheap = plain.least_recompute(budget_bytes)
-            return None if cheap is None else Choice(self.plain, cheap)
-        best = Choice(other, found)
-        cheap = plain.least_recompute(budget_bytes, most=best.cost[0] / per_fraction)
-        return best if cheap is None else min(best, Choice(self.plain, cheap), key=lambda c: c.cost)
+        The graphs are taken in order of their regions' own cost (the captured graph's is 0), the cheapest
+        first. Before the next graph is searched, each graph taken so far is walked up to the next graph's
+        regions' cost, which no plan of the next graph or any later one goes below; once a plan fits, up to its
+        cost only. So a graph with regions is traced or spliced only where it could beat the plans found."""
+        per_fraction = self.plain.search.cg.total_T() or 1.0  # a candidate's cost is its recompute fraction times this
+        graphs = [(0.0, lambda: self.plain)]
+        if self._regions:
+            cg = self.plain.search.cg
+            graphs += [(recompute_cost(cg, subset), lambda subset=subset: self.with_subset(subset))
+                       for subset in self.region_subsets()]
+            graphs.append((self._region_T, self.with_regions))
+            graphs.sort(key=lambda g: g[0])
+        best: Choice | None = None
+        for i in range(len(graphs)):
+            following = graphs[i + 1][0] if i + 1 < len(graphs) else math.inf
+            cap = following if best is None else min(following, best.cost[0])
+            for region_T, get in graphs[:i + 1]:
+                variant = get()
+                if variant is None:  # the regions failed: the captured graph's answer stands
+                    continue
+                most = (cap - region_T) / per_fraction
+                found = variant.search.least_recompute(budget_bytes, most=most) if variant is self.plain else \
+                    self._guarded(lambda v=variant, m=most: v.search.least_recompute(budget_bytes, most=m))
+                if found is not None and (best is None or Choice(variant, found).cost < best.cost):
+                    best = Choice(variant, found)
+            if best is not None and best.cost[0] <= following:
+                return best
+        return best
 
     def _guarded(self, run: Callable[[], Any]) -> Any:
         """``run()`` on the graph with regions; where it fails (a model the regions do not suit), None and a
@@ -177,7 +245,7 @@ class Searches:
         except Exception as error:  # noqa: BLE001 (any failure of the optional graph leaves a complete answer)
             logger.warning("fxplan: planning with recomputed regions failed (%s: %s); planning without them",
                            type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
-            self._regions, self._with_regions = [], None
+            self._regions, self._with_regions, self._subsets = [], None, {}
             return None
 
     @property

@@ -1,0 +1,135 @@
+"""Cost graphs of a model with some of its recomputed regions, spliced from two traces instead of traced.
+
+A model with recomputed regions (:mod:`fxplan.regions`) is planned over several graphs: as captured, with
+every region, and with subsets of them (:mod:`fxplan.variants`). Each is a graph :func:`fxplan.trace.trace`
+could trace, at the price of a fake-tensor run of the whole model and a backward probe per node. But what
+the trace records of a node is the node's own: its output, what its backward saves, its forward cost, the
+storages it aliases and writes, its backward's rise. Replacing some regions does not change those facts for
+the nodes outside them, and a region node's facts are those it has in the graph with every region. So the
+cost graph of a subset is assembled from the captured graph's trace (nodes outside the subset's regions)
+and the trace of the graph with every region (the subset's region nodes), with names translated: the graph
+of each subset names its nodes as a re-trace of its code does (:func:`fxplan.regions.with_regions`), and
+removed nodes shift the numbering of the nodes that share their name (``cat_4`` becomes ``cat_2``).
+
+The splice checks that the graphs line up node for node (same ops in the same order); where they do not,
+it raises :class:`SpliceError`, and the caller traces the graph instead. ``tests/test_splice.py`` compares
+spliced and traced cost graphs attribute for attribute.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch.fx as fx
+
+from fxplan.capture import owning_graph_module
+from fxplan.costgraph import CostGraph
+from fxplan.effects import ordering_edges
+from fxplan.errors import FxplanError
+from fxplan.regions import Region, conv_of_recomputed_region, with_regions
+
+#: Graph attributes a trace sets that do not depend on which regions the graph has.
+_SHARED = ("param_bytes", "input_bytes", "name", "cost_model", "T_seconds", "example_output")
+
+#: Node attributes that name other nodes (translated), and node metadata the rewriter reads.
+_NAME_LISTS, _NAMES, _META = ("saved_inputs",), ("alias_of",), ("fxplan_mutates", "fxplan_fresh_output")
+
+_COMPUTE = ("call_module", "call_function", "call_method")
+
+
+class SpliceError(FxplanError):
+    """The graphs do not line up node for node: trace the graph instead."""
+
+
+def spliced(plain: CostGraph, every: CostGraph, regions: list[Region], subset: list[Region]) -> CostGraph:
+    """The cost graph of the model with the regions ``subset`` (some of ``regions``), as
+    :func:`fxplan.trace.trace` would give it: ``plain`` is the trace of the captured graph, ``every`` the
+    trace of the graph with all of ``regions`` (module docstring). Raises :class:`SpliceError` where the
+    graphs do not line up."""
+    source, every_gm = plain.graph["captured"], every.graph["captured"].gm
+    captured = with_regions(source, subset)
+    gm = captured.gm
+    like, fake_mode = plain.graph["fake"]
+    fake = _fake_twin(gm, like)  # before the marks below: the trace marks the copy it propagated with less
+    # names across the graphs: every's -> the source's, this graph's -> the source's, and back
+    from_every = _aligned(source.gm, every_gm, {name for r in regions for name in r.recomputed})
+    to_source = _aligned(source.gm, gm, {name for r in subset for name in r.recomputed})
+    into = {src: name for name, src in to_source.items()}
+    every_into = {name: into[src] for name, src in from_every.items() if src in into}
+    every_name = {src: name for name, src in from_every.items()}
+    origins = {r.conv: (every, every_name[r.conv], every_into, _by_name(every_gm)) for r in subset}
+    plain_origin = (plain, None, into, _by_name(source.gm))
+
+    cg = CostGraph()
+    cg.graph.update({key: plain.graph[key] for key in _SHARED if key in plain.graph})
+    grad_inputs, passes = {}, set()
+    for node in gm.graph.nodes:
+        if node.op not in _COMPUTE:
+            continue
+        src = to_source[node.name]
+        traced, name, names, traced_nodes = origins.get(src, plain_origin)
+        name = name or src
+        attrs = dict(traced.nodes[name])
+        for key in _NAME_LISTS:
+            attrs[key] = tuple(_translate(names, v) for v in attrs[key])
+        for key in _NAMES:
+            attrs[key] = None if attrs[key] is None else _translate(names, attrs[key])
+        cg.add_node(node.name, **attrs)
+        for key in _META:
+            node.meta[key] = traced_nodes[name].meta[key]
+        given, passing = traced.graph["gradients"]
+        grad_inputs[node.name] = frozenset(_translate(names, v) for v in given[name])
+        if name in passing:
+            passes.add(node.name)
+        cg.add_edges_from((pred.name, node.name) for pred in node.all_input_nodes if pred.op in _COMPUTE)
+    for before, after in ordering_edges(gm):
+        if not cg.has_edge(before, after):
+            cg.add_edge(before, after, order_only=True)
+    marked = _by_name(gm)
+    for node in fake.graph.nodes:
+        if node.name in cg:
+            node.meta["fxplan_fresh_output"] = marked[node.name].meta["fxplan_fresh_output"]
+    cg.graph.update(gm=gm, captured=captured, gradients=(grad_inputs, frozenset(passes)), fake=(fake, fake_mode))
+    return cg
+
+
+def _fake_twin(gm: fx.GraphModule, like: fx.GraphModule) -> fx.GraphModule:
+    """A module running ``gm``'s graph over the modules and fake state of ``like`` (the fake copy of the captured
+    graph the plain trace made: the same module paths), as the trace's own fake copy would run it; sharing
+    them costs nothing, where a copy makes every parameter again. The search measures its plans on it."""
+    graph = fx.Graph()
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph.output(graph.graph_copy(gm.graph, {}), type_expr=output.type)
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    constants = {n.target: vars(like)[n.target] for n in graph.nodes if n.op == "get_attr" and n.target in vars(like)}
+    twin = owning_graph_module(like, graph, constants, class_name=type(gm).__name__)
+    twin.meta.update(like.meta)
+    return twin
+
+
+def _aligned(source: fx.GraphModule, replaced: fx.GraphModule, inside: set[str]) -> dict[str, str]:
+    """``replaced``'s node names -> ``source``'s, for a graph made from ``source`` by replacing regions (whose
+    nodes in ``inside`` are gone): the two agree node for node, in order, but for the region nodes and the
+    ``get_attr`` nodes that fetch their modules."""
+    kept = [n for n in source.graph.nodes if n.op != "get_attr" and n.name not in inside]
+    made = [n for n in replaced.graph.nodes if n.op != "get_attr"]
+    if len(kept) != len(made):
+        raise SpliceError(f"the graph with regions has {len(made)} nodes where {len(kept)} were expected")
+    names = {}
+    for old, new in zip(kept, made):
+        region = new.op == "call_function" and new.target is conv_of_recomputed_region
+        if (old.op, old.target) != (new.op, new.target) and not (region and old.op == "call_module"):
+            raise SpliceError(f"node {new.name} ({new.op} {new.target}) does not line up with {old.name} "
+                              f"({old.op} {old.target})")
+        names[new.name] = old.name
+    return names
+
+
+def _by_name(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    return {n.name: n for n in gm.graph.nodes}
+
+
+def _translate(names: dict[str, str], name: str) -> str:
+    if name not in names:
+        raise SpliceError(f"node {name} has no counterpart in the graph with regions")
+    return names[name]
