@@ -1,11 +1,13 @@
-"""The choice between the graph as captured and the graph with recomputed regions, measured side by side.
+"""The choice between the graph as captured, the graph with every recomputed region and the graphs with some
+of them, measured side by side.
 
 Usage: python scripts/variant_choice.py NAME --fractions F [F ...] [--batch-size N] [--input-size H]
                                         [--rounds R] [--threads K]
 
-For each budget (a fraction of vanilla's fake-tensor peak), both searches of ``fxplan.variants`` choose
-their plan (the captured graph's and the graph-with-regions'), and the script says which one
-``fxplan.rewrite`` takes. Every plan's step is then timed interleaved with vanilla's
+For each budget (a fraction of vanilla's fake-tensor peak), the captured graph's search and the graph with
+every region's (``fxplan.variants``) choose their plan, and so does ``fxplan.rewrite``'s choice over all
+graphs (``Searches.choose``), which may take a graph with some of the regions (``REGION_SUBSETS``); the
+script says which graph that is. Every plan's step is then timed interleaved with vanilla's
 (:func:`fxplan.timing.time_interleaved`); the table gives each plan's measured peak as a fraction of
 vanilla's, its recomputation, the predicted extra seconds (``Plan.predicted_extra_seconds``: the ranking
 the choice uses) and the measured step ratio (median and interquartile range of per-round ratios).
@@ -28,6 +30,13 @@ from fxplan.trace import trace
 from fxplan.variants import Searches
 
 
+def graph_name(variant, every: int) -> str:
+    """'captured', 'regions' (every region) or 'regions K/N' (a subset)."""
+    if not variant.regions:
+        return "captured"
+    return "regions" if len(variant.regions) == every else f"regions {len(variant.regions)}/{every}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name")
@@ -44,11 +53,12 @@ def main() -> None:
     vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
     start = time.perf_counter()
     searches = Searches(trace(model, inputs), model, inputs, solver="approx", loss_fn=entry.loss)
-    searches.with_regions()
+    every = searches.with_regions()
+    whole = [searches.plain] + ([every] if every else [])
     modules, taken = {"vanilla": model}, {}
     for fraction in args.fractions:
         budget = int(fraction * vanilla)
-        for variant in searches.variants:
+        for variant in whole:
             label = f"{'regions' if variant.regions else 'captured'}@{fraction:g}"
             try:
                 modules[label] = variant.result(variant.search.choose(budget, "time"), budget)
@@ -56,9 +66,12 @@ def main() -> None:
                 print(f"{label}: no plan fits", flush=True)
         try:
             chosen = searches.choose(budget, "time")
-            taken[fraction] = "regions" if chosen.variant.regions else "captured"
         except BudgetError:
             taken[fraction] = "none fits"
+            continue
+        taken[fraction] = graph_name(chosen.variant, len(every.regions) if every else 0)
+        if chosen.variant not in whole:
+            modules[f"{taken[fraction]}@{fraction:g}"] = chosen.variant.result(chosen.candidate, budget)
     print(f"{args.name}, batch {args.batch_size}, {args.input_size}²: planned in {time.perf_counter() - start:.1f} s; "
           "fxplan.rewrite takes: " + ", ".join(f"{f:g} -> {v}" for f, v in taken.items()), flush=True)
     with fixed_threads(args.threads):
