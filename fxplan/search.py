@@ -54,10 +54,10 @@ that budget is accepted.
 
 from __future__ import annotations
 
-import itertools
+import heapq
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -306,11 +306,11 @@ class Search:
     def _trusted(self) -> bool:
         """True if the replay may rank candidates: every candidate measured so far (one at least) replayed
         within ``TRUST`` of its measured peak, and no nested plan found by replay measured otherwise."""
-        measured = self._measured()
+        measured = self.measured_candidates()
         return self.trust_replay and bool(measured) and \
             all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
 
-    def _measured(self) -> list[Candidate]:
+    def measured_candidates(self) -> list[Candidate]:
         """The canonical candidates measured so far."""
         return [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None]
 
@@ -380,38 +380,51 @@ class Search:
                 groups.append([low, *others][:SEEDS_PER_SOLVER])
         return groups
 
-    def least_recompute(self, budget: int, most: float = math.inf) -> Candidate | None:
-        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak),
-        among those that recompute at most the fraction ``most`` (the frontier is walked no further).
+    def least_recompute(self, budget: int) -> Candidate | None:
+        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak).
 
         Where nothing is measured yet, the first measurement is of the candidate of least recomputation that
-        the replay says fits: where the replay is right, it is trusted from then on (:meth:`_better`) and
+        the replay says fits: where the replay is right, it is trusted from then on (:meth:`could_fit`) and
         that candidate is the answer, in one fake step."""
-        def within(plans: Callable[[], Iterable[Candidate]]) -> Iterator[Candidate]:
-            return itertools.takewhile(lambda c: c.recompute <= most, plans())  # each source is by recompute
-
-        if self.trust_replay and not self._measured():
-            first = next((c for plans in (self._walk, self.floor) for c in within(plans) if c.replayed <= budget),
-                         None)
+        if self.trust_replay and not self.measured_candidates():
+            first = next((c for plans in (self._walk, self.floor) for c in plans() if c.replayed <= budget), None)
             if first is not None:
                 self.measure(first)
         found: Candidate | None = None
-        for c in within(self._walk):  # recomputation never decreases along the walk
+        for c in self._walk():  # recomputation never decreases along the walk
             if found is not None and c.recompute > found.recompute:
                 break
             found = self._better(c, found, budget)
         if found is None or found.recompute > 0:
-            for c in within(self.floor):
+            for c in self.floor():
                 if found is not None and c.recompute > found.recompute:
                     break
                 found = self._better(c, found, budget)
         return found
 
+    def by_recompute(self, floor: bool = True) -> Iterator[Candidate]:
+        """The candidates in order of non-decreasing recomputation, generated as they are asked for: the walk's,
+        and (``floor``) the other solvers' smallest plans (:meth:`floor`, made once a plan that recomputes
+        anything is asked for)."""
+        walk = self._walk()
+        first = next(walk, None)
+        if first is not None:
+            yield first
+        if floor:
+            yield from heapq.merge(walk, self.floor(), key=lambda c: c.recompute)
+        else:
+            yield from walk
+
+    def could_fit(self, c: Candidate, budget: int, trusted: bool) -> bool:
+        """False if ``c``'s replayed peak rules out a measured peak within ``budget``: by more than ``TRUST``
+        where the replay is ``trusted`` (every candidate measured so far replayed within it), else by the
+        margin of :meth:`_may_fit`."""
+        return c.replayed * (1 - TRUST) <= budget if trusted else self._may_fit(c, budget)
+
     def _better(self, c: Candidate, found: Candidate | None, budget: int) -> Candidate | None:
-        """``c`` if it fits ``budget`` and beats ``found`` (less recomputation, ties: lower peak), else ``found``.
-        ``c`` is measured unless its replayed peak rules it out: by more than ``TRUST`` where every candidate
-        measured so far replayed within it, else by the margin of :meth:`_may_fit`."""
-        if not (c.replayed * (1 - TRUST) <= budget if self._trusted() else self._may_fit(c, budget)):
+        """``c`` if it fits ``budget`` and beats ``found`` (less recomputation, ties: lower peak), else ``found``;
+        ``c`` is measured unless :meth:`could_fit` rules it out."""
+        if not self.could_fit(c, budget, self._trusted()):
             return found
         m = self.measure(c)
         if m is None or m > budget:

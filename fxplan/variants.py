@@ -27,10 +27,12 @@ searches the captured graph only: Chen's plans stay the paper's baseline.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,7 +42,7 @@ from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError
 from fxplan.regions import Region, dropped_bytes, find_regions, recompute_cost, with_regions
-from fxplan.search import NEGLIGIBLE, Candidate, Search
+from fxplan.search import NEGLIGIBLE, TRUST, Candidate, Search
 from fxplan.splice import SpliceError, spliced
 from fxplan.trace import trace
 
@@ -205,37 +207,30 @@ class Searches:
 
     def _cheapest_canonical(self, budget_bytes: int) -> Choice | None:
         """The canonical plan (no nesting) of least cost that fits the budget over the captured graph and the
-        graphs with regions, each searched only as far as the others' answers require; None where no canonical
-        plan of any fits.
+        graphs with regions (:class:`_CheapestFit`); None where no canonical plan of any fits."""
+        try:
+            return _CheapestFit(self, budget_bytes).run()
+        except _RegionsFailed:  # dropped with a warning (_guarded): the captured graph alone
+            return self._cheapest_canonical(budget_bytes)
 
-        The graphs are taken in order of their regions' own cost (the captured graph's is 0), the cheapest
-        first. Before the next graph is searched, each graph taken so far is walked up to the next graph's
-        regions' cost, which no plan of the next graph or any later one goes below; once a plan fits, up to its
-        cost only. So a graph with regions is traced or spliced only where it could beat the plans found."""
-        per_fraction = self.plain.search.cg.total_T() or 1.0  # a candidate's cost is its recompute fraction times this
-        graphs = [(0.0, lambda: self.plain)]
+    def graphs_by_cost(self) -> list[tuple[float, Callable[[], Variant | None], bool]]:
+        """The graphs a budget is searched over, by their regions' own cost: (that cost, the graph's search
+        (made on first call), whether its candidates include the other solvers' smallest plans)."""
+        graphs = [(0.0, lambda: self.plain, True)]
         if self._regions:
             cg = self.plain.search.cg
-            graphs += [(recompute_cost(cg, subset), lambda subset=subset: self.with_subset(subset))
+            graphs += [(recompute_cost(cg, subset), lambda subset=subset: self.with_subset(subset), False)
                        for subset in self.region_subsets()]
-            graphs.append((self._region_T, self.with_regions))
+            graphs.append((self._region_T, self.with_regions, True))
             graphs.sort(key=lambda g: g[0])
-        best: Choice | None = None
-        for i in range(len(graphs)):
-            following = graphs[i + 1][0] if i + 1 < len(graphs) else math.inf
-            cap = following if best is None else min(following, best.cost[0])
-            for region_T, get in graphs[:i + 1]:
-                variant = get()
-                if variant is None:  # the regions failed: the captured graph's answer stands
-                    continue
-                most = (cap - region_T) / per_fraction
-                found = variant.search.least_recompute(budget_bytes, most=most) if variant is self.plain else \
-                    self._guarded(lambda v=variant, m=most: v.search.least_recompute(budget_bytes, most=m))
-                if found is not None and (best is None or Choice(variant, found).cost < best.cost):
-                    best = Choice(variant, found)
-            if best is not None and best.cost[0] <= following:
-                return best
-        return best
+        return graphs
+
+    def trusted(self) -> bool:
+        """True if every candidate measured so far, of any graph, replayed within ``TRUST`` of its measured peak
+        (one at least)."""
+        measured = [c for v in self.variants for c in v.search.measured_candidates()]
+        return bool(measured) and all(v.search.trust_replay for v in self.variants) and \
+            all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
 
     def _guarded(self, run: Callable[[], Any]) -> Any:
         """``run()`` on the graph with regions; where it fails (a model the regions do not suit), None and a
@@ -257,6 +252,81 @@ class Searches:
     def steps(self) -> int:
         """Plans measured on fake tensors so far, over both graphs (for the log)."""
         return sum(v.search.meter.steps for v in self.variants)
+
+
+class _RegionsFailed(Exception):
+    """Planning with regions failed (and they were dropped, with a warning): start again without them."""
+
+
+class _CheapestFit:
+    """The cheapest canonical fit for a budget over the graphs of :class:`Searches`.
+
+    The candidates of all graphs are taken in one order of cost (each graph's in order of recomputation,
+    :meth:`fxplan.search.Search.by_recompute`, merged), and measured in that order where their replay allows a
+    fit (:meth:`fxplan.search.Search.could_fit`, trusting the replay as :meth:`Searches.trusted` says; before
+    anything is measured, only where the replay predicts a fit, and the candidates passed over then are
+    looked at again after the first measurement), until the next candidate costs more than a plan that fits
+    (ties: the lower measured peak). A graph joins the order once its regions' own cost is reached (no plan
+    of it costs less), so it is spliced or traced only where it could beat the plans found; a subset's
+    candidates leave out the other solvers' smallest plans. A failure on a graph with regions drops them
+    (:meth:`Searches._guarded`) and raises :class:`_RegionsFailed`."""
+
+    def __init__(self, searches: Searches, budget: int):
+        self.searches, self.budget = searches, budget
+        self.graphs = searches.graphs_by_cost()
+        self.queue: list[tuple[float, int, Variant, Candidate, Iterator[Candidate]]] = []
+        self.order = itertools.count()
+        self.best: Choice | None = None
+        self.passed_over: list[tuple[Variant, Candidate]] | None = []  # None once anything is measured
+
+    def run(self) -> Choice | None:
+        while True:
+            self._open_graphs()
+            if not self.queue or (self.best is not None and self.queue[0][0] > self.best.cost[0]):
+                return self.best
+            _, _, variant, c, stream = heapq.heappop(self.queue)
+            self._on(variant, lambda v=variant, s=stream: self._push(v, s))
+            self._on(variant, lambda v=variant, c=c: self._consider(v, c))
+
+    def _open_graphs(self) -> None:
+        """Start the graphs whose regions' cost the order has reached."""
+        while self.graphs and (not self.queue or self.graphs[0][0] <= self.queue[0][0]) and \
+                (self.best is None or self.graphs[0][0] <= self.best.cost[0]):
+            _, get, floor = self.graphs.pop(0)
+            variant = get()
+            if variant is None:  # only a graph with regions fails to be made (Searches._guarded warned)
+                raise _RegionsFailed
+            self._on(variant, lambda v=variant, f=floor: self._push(v, v.search.by_recompute(f)))
+
+    def _push(self, variant: Variant, stream: Iterator[Candidate]) -> None:
+        c = next(stream, None)
+        if c is not None:
+            heapq.heappush(self.queue, (variant.recomputed_T(c), next(self.order), variant, c, stream))
+
+    def _consider(self, variant: Variant, c: Candidate) -> None:
+        first = self.passed_over is not None and not any(v.search.measured_candidates() for v in self.searches.variants)
+        if first:
+            if c.replayed > self.budget:
+                self.passed_over.append((variant, c))
+                return
+        elif not variant.search.could_fit(c, self.budget, self.searches.trusted()):
+            return
+        m = variant.search.measure(c)
+        if m is not None and m <= self.budget and (self.best is None or Choice(variant, c).cost < self.best.cost):
+            self.best = Choice(variant, c)
+        if first:  # the replay is judged now: the candidates passed over may fit by its rule
+            earlier, self.passed_over = self.passed_over, None
+            for v, e in earlier:
+                self._on(v, lambda v=v, e=e: self._consider(v, e))
+
+    def _on(self, variant: Variant, run: Callable[[], None]) -> None:
+        """``run()``, guarded where ``variant`` is a graph with regions (:meth:`Searches._guarded`)."""
+        if variant is self.searches.plain:
+            run()
+            return
+        self.searches._guarded(run)
+        if not self.searches._regions:
+            raise _RegionsFailed
 
 
 def _attempt(variant: Variant, budget_bytes: int | None, strategy: str) -> Choice | BudgetError:

@@ -244,22 +244,3 @@ def test_budget_arguments_are_checked(resnet, batch):
             fxplan.rewrite(resnet, example_inputs=batch, **kwargs)
     for nbytes in (1, 12345, 2_805_011_123, 3 * GiB + 7):  # GiB printed from bytes come back as those bytes
         assert budget_to_bytes(nbytes / GiB) == nbytes
-
-
-def test_the_walk_stops_at_the_recomputation_asked_for(resnet, batch, smallest):
-    """``Search.least_recompute(budget, most)``: the same answer as without ``most`` where it recomputes at most
-    that much, else None, having walked the frontier no further (fxplan.variants relies on both)."""
-    from fxplan.search import Search
-    from fxplan.trace import trace
-
-    low, vanilla = smallest
-    budget = (low + vanilla) // 2
-    cg = trace(resnet, batch)
-    whole = Search(cg, resnet, batch, solver="approx")
-    found = whole.least_recompute(budget)
-    assert found is not None and found.recompute > 0
-    bounded = Search(cg, resnet, batch, solver="approx")
-    assert bounded.least_recompute(budget, most=found.recompute / 2) is None
-    assert len(bounded.candidates) < len(whole.candidates)
-    again = bounded.least_recompute(budget, most=found.recompute)
-    assert (again.plan.segments, again.measured) == (found.plan.segments, found.measured)

@@ -112,3 +112,15 @@ def test_rewrite_takes_the_cheapest_graph_of_all_subsets():
         chosen.append(plan.recompute_fraction)
     assert took_subset
     assert chosen == sorted(chosen, reverse=True)  # a larger budget never recomputes more
+
+
+def test_graphs_with_regions_are_made_only_where_they_could_win():
+    model = densenet()
+    x = torch.randn(8, 3, 64, 64)
+    vanilla = measure_step(model, (x,), fake=True).peak_bytes
+    searches = Searches(trace(model, (x,)), model, (x,), solver="approx")
+    chosen = searches.choose(vanilla, "time")  # met without recomputation: nothing beats it
+    assert chosen.variant is searches.plain and chosen.candidate.recompute == 0
+    assert searches.variants == [searches.plain] and searches.steps == 1
+    order = [c.recompute for c in searches.plain.search.by_recompute()]
+    assert order == sorted(order) and len(order) > 2
