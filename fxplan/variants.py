@@ -10,12 +10,11 @@ most bytes per unit of recomputation first, each subset's cost graph spliced fro
 (the cost graph's T, the regions' own recomputation included):
 
 - a budget: of the canonical plans of all searches (:class:`fxplan.search.Search`'s candidates, not
-  nested) that fit, the one that recomputes least (ties: the lower measured peak). Each frontier is walked
-  only as far as needed: the graphs are taken in order of what their regions alone cost, each walked up
-  to what the next one's regions cost (no plan of a later graph can recompute less), and once a plan fits,
-  no further than its cost; a graph with regions is traced or spliced on first need. Where no canonical
-  plan of any graph fits, the nested plans (:mod:`fxplan.nested`) of the captured graph and of the graph
-  with every region are compared the same way;
+  nested) that fit, the one that recomputes least (ties: the lower measured peak). The candidates of all
+  graphs are taken in one order of cost and measured in that order where the replay allows a fit, up to
+  the first that fits (:class:`_CheapestFit`); a graph with regions joins the order, traced or spliced,
+  only once its regions' own cost is reached. Where no canonical plan of any graph fits, the nested plans
+  (:mod:`fxplan.nested`) of the captured graph and of the graph with every region are compared the same way;
 - no budget (the smallest peak): the least recomputation among the two choices (captured graph, every
   region) within :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
 - ``strategy="memory"``: the lower measured peak of those two.
