@@ -49,8 +49,10 @@ logger = logging.getLogger("fxplan")
 
 #: The subsets of the regions searched for a budget besides all of them: the regions ranked by the bytes
 #: they drop per unit of T they recompute, cut where the ranking has dropped these fractions of what all of
-#: them drop. On DenseNet-161 (batch 16, 112²) they recomputed 0.07-0.15 of a forward pass less than the
-#: captured graph or every region at budgets of 42-55% of the plain step's peak (docs/results.md).
+#: them drop. On DenseNet-161 (batch 16, 112²) the plans over them recomputed 0.03-0.15 of a forward pass less
+#: than the better of the captured graph and every region at budgets of 42-65% of the plain step's peak, and
+#: measured 1-4% of a step faster (docs/results.md); four subsets planned faster and recomputed up to 0.06 more
+#: (docs/planner.md).
 REGION_SUBSETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
