@@ -306,9 +306,7 @@ class Search:
     def _trusted(self) -> bool:
         """True if the replay may rank candidates: every candidate measured so far (one at least) replayed
         within ``TRUST`` of its measured peak, and no nested plan found by replay measured otherwise."""
-        measured = self.measured_candidates()
-        return self.trust_replay and bool(measured) and \
-            all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
+        return self.trust_replay and replayed_within_trust(self.measured_candidates())
 
     def measured_candidates(self) -> list[Candidate]:
         """The canonical candidates measured so far."""
@@ -477,6 +475,11 @@ class Search:
         c.module.fxplan_plan = plan
         c.module.fxplan_measured_peak_bytes = c.measured
         return c.module
+
+
+def replayed_within_trust(measured: list[Candidate]) -> bool:
+    """True if every one of ``measured`` (one at least) replayed within ``TRUST`` of its measured peak."""
+    return bool(measured) and all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
 
 
 def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iterator[Plan]:

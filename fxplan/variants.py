@@ -41,7 +41,7 @@ from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError
 from fxplan.regions import Region, dropped_bytes, find_regions, recompute_cost, with_regions
-from fxplan.search import NEGLIGIBLE, TRUST, Candidate, Search
+from fxplan.search import NEGLIGIBLE, Candidate, Search, replayed_within_trust
 from fxplan.splice import SpliceError, spliced
 from fxplan.trace import trace
 
@@ -226,12 +226,14 @@ class Searches:
             graphs.sort(key=lambda g: g[0])
         return graphs
 
-    def trusted(self) -> bool:
-        """True if every candidate measured so far, of any graph, replayed within ``TRUST`` of its measured peak
-        (one at least)."""
-        measured = [c for v in self.variants for c in v.search.measured_candidates()]
-        return bool(measured) and all(v.search.trust_replay for v in self.variants) and \
-            all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
+    def measured_candidates(self) -> list[Candidate]:
+        """The canonical candidates measured so far, of every graph."""
+        return [c for v in self.variants for c in v.search.measured_candidates()]
+
+    def trusted(self, measured: list[Candidate]) -> bool:
+        """True if every search may trust the replay and every one of ``measured`` (:meth:`measured_candidates`,
+        one at least) replayed within ``TRUST`` of its measured peak."""
+        return all(v.search.trust_replay for v in self.variants) and replayed_within_trust(measured)
 
     def _guarded(self, run: Callable[[], Any]) -> Any:
         """``run()`` on the graph with regions; where it fails (a model the regions do not suit), None and a
@@ -305,12 +307,13 @@ class _CheapestFit:
             heapq.heappush(self.queue, (variant.recomputed_T(c), next(self.order), variant, c, stream))
 
     def _consider(self, variant: Variant, c: Candidate) -> None:
-        first = self.passed_over is not None and not any(v.search.measured_candidates() for v in self.searches.variants)
+        measured = self.searches.measured_candidates()
+        first = self.passed_over is not None and not measured
         if first:
             if c.replayed > self.budget:
                 self.passed_over.append((variant, c))
                 return
-        elif not variant.search.could_fit(c, self.budget, self.searches.trusted()):
+        elif not variant.search.could_fit(c, self.budget, self.searches.trusted(measured)):
             return
         m = variant.search.measure(c)
         if m is not None and m <= self.budget and (self.best is None or Choice(variant, c).cost < self.best.cost):

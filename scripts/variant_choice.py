@@ -56,10 +56,11 @@ def main() -> None:
     every = searches.with_regions()
     whole = [searches.plain] + ([every] if every else [])
     modules, taken = {"vanilla": model}, {}
+    count = len(every.regions) if every else 0
     for fraction in args.fractions:
         budget = int(fraction * vanilla)
         for variant in whole:
-            label = f"{'regions' if variant.regions else 'captured'}@{fraction:g}"
+            label = f"{graph_name(variant, count)}@{fraction:g}"
             try:
                 modules[label] = variant.result(variant.search.choose(budget, "time"), budget)
             except BudgetError:
@@ -69,7 +70,7 @@ def main() -> None:
         except BudgetError:
             taken[fraction] = "none fits"
             continue
-        taken[fraction] = graph_name(chosen.variant, len(every.regions) if every else 0)
+        taken[fraction] = graph_name(chosen.variant, count)
         if chosen.variant not in whole:
             modules[f"{taken[fraction]}@{fraction:g}"] = chosen.variant.result(chosen.candidate, budget)
     print(f"{args.name}, batch {args.batch_size}, {args.input_size}²: planned in {time.perf_counter() - start:.1f} s; "
