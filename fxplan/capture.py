@@ -285,9 +285,11 @@ def _has_values(t: torch.Tensor) -> bool:
 
 class _LocatingTracer(fx.Tracer):
     """A tracer that remembers the module path it is inside, to name it when tracing fails, and keeps the
-    modules at the paths ``leaves`` as leaves besides torch.nn's."""
+    modules at the paths ``leaves`` as leaves besides torch.nn's. Its graphs record it as their tracer class, and
+    ``torch.load`` re-traces a GraphModule with a subclass of that class made without arguments (every module a
+    leaf), so ``leaves`` has a default."""
 
-    def __init__(self, leaves: set[str]):
+    def __init__(self, leaves: set[str] | frozenset[str] = frozenset()):
         super().__init__()
         self.fxplan_path: list[str] = []
         self.fxplan_leaves = leaves

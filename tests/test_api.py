@@ -1,5 +1,7 @@
 """The public planning API: fxplan.plan, fxplan.min_budget_bytes, fxplan.rewrite and budget fidelity."""
 
+import copy
+import io
 import logging
 
 import pytest
@@ -93,6 +95,24 @@ def test_rewrite_with_a_given_plan_trains_like_the_original(resnet):
     for (name, a), b in zip(ref.named_parameters(), resnet.parameters()):
         assert torch.equal(a.grad, b.grad), name
     resnet.zero_grad(set_to_none=True)
+
+
+def test_a_rewritten_model_survives_torch_save_and_load():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).train()
+    x = torch.randn(2, 3, 32, 32)
+    # the captured graph, no regions: its segments are traced again on loading with the capture's tracer class
+    optimized = fxplan.rewrite(copy.deepcopy(model), budget_bytes=measure_step(model, (x,), fake=True).peak_bytes,
+                               example_inputs=(x,))
+    buffer = io.BytesIO()
+    torch.save(optimized, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.code == optimized.code
+    for module in (model, loaded):
+        module(x).sum().backward()
+    for (name, a), b in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(a.grad, b.grad), name
 
 
 def test_lazy_rewrite_plans_on_first_call_and_replans_on_new_shapes(resnet, caplog):
