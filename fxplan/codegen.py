@@ -35,6 +35,7 @@ change the order in which the autograd engine sums three or more gradient contri
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -165,16 +166,76 @@ class SegmentedModule(fx.GraphModule):
         }
 
     def __reduce__(self) -> tuple[Any, ...]:
-        holder = self._state_holder()
-        gm = _graph_module(holder, copy.deepcopy(self._fxplan_graph), self._get_name())
+        # The graph itself is saved, not its code: GraphModule's own pickling re-traces the code on loading,
+        # which renames ATen nodes (``mul_2`` → ``mul_tensor_2``, so the segments name nothing) and runs the
+        # ops whose arguments are all constants (an attention mask becomes a ``_tensor_constant``).
         state = {**self._call_state(), **self._user_attrs()}
-        return (_rebuild, (holder, gm, self.fxplan_segments, self._get_name(), self.fxplan_children), state)
+        graph = _PortableGraph(self._fxplan_graph)
+        return (_rebuild, (self._state_holder(), graph, self.fxplan_segments, self._get_name(), self.fxplan_children),
+                state)
 
 
 def _rebuild(
-    holder: torch.nn.Module, gm: fx.GraphModule, segments: Any, class_name: str, children: Any = None
+    holder: torch.nn.Module, graph: _PortableGraph, segments: Any, class_name: str, children: Any = None
 ) -> SegmentedModule:
-    return segment_module(_graph_module(holder, gm.graph, class_name), segments, children)
+    return segment_module(_graph_module(holder, graph.restore(), class_name), segments, children)
+
+
+class _PortableGraph:
+    """An ``fx.Graph`` as data pickle can save (fx nodes cannot be pickled): each node's op, name, target (an
+    operator by its name), arguments (other nodes by name) and type; node metadata is left out (it holds fake
+    tensors, and nothing that runs the module reads it)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.codegen = graph._codegen
+        self.nodes = [
+            (node.op, node.name, _portable_target(node.target),
+             fx.node.map_arg((node.args, node.kwargs), lambda arg: _NodeName(arg.name)), node.type)
+            for node in graph.nodes
+        ]
+
+    def restore(self) -> fx.Graph:
+        graph = fx.Graph()
+        graph._codegen = self.codegen
+        made: dict[str, fx.Node] = {}
+        for op, name, target, arguments, type_ in self.nodes:
+            args, kwargs = fx.node.map_aggregate(arguments, lambda a: made[a.name] if isinstance(a, _NodeName) else a)
+            if isinstance(target, _OperatorName):
+                target = target.resolve()
+            made[name] = graph.create_node(op, target, args, kwargs, name, type_)
+            if made[name].name != name:
+                raise FxplanError(f"fxplan: loading a rewritten module: node {name!r} came back as {made[name].name!r}")
+        return graph
+
+
+@dataclasses.dataclass(frozen=True)
+class _NodeName:
+    name: str
+
+
+def _portable_target(target: Any) -> Any:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return _OperatorName.of(target)
+    return target
+
+
+@dataclasses.dataclass(frozen=True)
+class _OperatorName:
+    """``torch.ops.<namespace>.<name>[.<overload>]``, which pickle cannot save as the operator itself."""
+
+    namespace: str
+    name: str
+    overload: str | None
+
+    @staticmethod
+    def of(op: Any) -> _OperatorName:
+        if isinstance(op, torch._ops.HigherOrderOperator):
+            return _OperatorName("higher_order", op.name(), None)
+        return _OperatorName(op.namespace, op._schema.name.split("::", 1)[1], op._overloadname)
+
+    def resolve(self) -> Any:
+        op = getattr(getattr(torch.ops, self.namespace), self.name)
+        return op if self.overload is None else getattr(op, self.overload)
 
 
 def _graph_module(holder: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:

@@ -7,6 +7,7 @@ published sizes only on the meta device, so each test takes seconds.
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import fxplan
 import models_zoo
 from fxplan import peers
 from fxplan.compare import compare_network
@@ -133,3 +135,24 @@ def test_compare_rows_for_a_transformer():
     assert by["checkpoint_sequential"].status == "not applicable"
     fx = by["approx-time"]
     assert fx.status == "ok" or (fx.status == "error" and "TraceError" in fx.note), fx.note
+
+
+def test_a_rewritten_transformer_survives_torch_save_and_load():
+    # An ATen graph from torch.export: loading must not re-trace its code (that renames nodes, so segments
+    # name nothing, and folds the attention mask into a constant) nor need export's tracer.
+    entry = hf.tiny_entry("llama_1b")
+    torch.manual_seed(0)
+    model = entry.build()
+    inputs = entry.example_inputs()
+    vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
+    optimized = fxplan.rewrite(copy.deepcopy(model), budget_bytes=int(0.95 * vanilla), example_inputs=inputs)
+    assert optimized.fxplan_plan.num_segments > 1
+    buffer = io.BytesIO()
+    torch.save(optimized, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.readable() == optimized.readable()
+    for module in (model, loaded):
+        entry.loss(module(*inputs)).backward()
+    for (name, a), b in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(a.grad, b.grad), name
