@@ -4,7 +4,8 @@ The meter is a live-storage tracker: a ``TorchDispatchMode`` that sees every op 
 untyped storage behind it (keyed by ``storage._cdata``, since fake storages have no data pointer) and
 forgets it when the storage dies (``weakref.finalize``). Summing the bytes of live storages gives the
 same peak as the CPU allocator, and under ``FakeTensorMode`` it gives that peak without allocating
-anything, so a step far larger than the machine can be measured in seconds.
+anything, so a step far larger than the machine can be measured in seconds. What a kernel allocates and
+frees inside itself (its scratch, :mod:`fxplan.scratch`) is added while the op runs.
 
 On CUDA, :func:`measure_step` reads the caching allocator's statistics instead.
 """
@@ -28,13 +29,14 @@ from torch.utils._pytree import tree_leaves
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 from fxplan.fakes import fake_copy, fake_mode_of, has_fake, to_fake
+from fxplan.scratch import scratch_bytes
 
 GiB = 1024**3
 MiB = 1024**2
 
 #: Categories of the breakdown, in display order.
-CATEGORIES = ("parameters", "buffers", "inputs", "activations", "gradients", "backward temporaries")
-BACKWARD = "backward temporaries"
+CATEGORIES = ("parameters", "buffers", "inputs", "activations", "gradients", "backward temporaries", "kernel scratch")
+BACKWARD, SCRATCH = "backward temporaries", "kernel scratch"
 
 
 class StorageTracker(TorchDispatchMode):
@@ -99,10 +101,16 @@ class StorageTracker(TorchDispatchMode):
         return self._live.get(tensor.untyped_storage()._cdata)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._add(leaf.untyped_storage(), self.phase)
+        scratch = scratch_bytes(func, args, kwargs)
+        if self.current_bytes + scratch > self.peak_bytes:  # the kernel held it beside its outputs
+            self.peak_bytes = self.current_bytes + scratch
+            self.peak_breakdown = {**self._by_category, SCRATCH: scratch}
+            self.peak_backward_serials = frozenset(self._backward_live)
         if self.timeline is not None:
             self.timeline.append((str(func.overloadpacket.__name__), self.current_bytes))
         return out

@@ -13,7 +13,11 @@ is recomputed and its backward runs.
 
 The search starts from a canonical plan (the flat search's smallest measured peak) and applies two
 moves, measuring results exactly on fake tensors (:func:`fxplan.measure_step`) and taking the move that
-lowers the peak most, until none lowers it by ``MIN_GAIN`` (at most ``ROUNDS`` rounds):
+lowers the peak most, at most ``ROUNDS`` rounds, until no move lowers it; the plan returned is the last
+one that lowered the peak by ``MIN_GAIN`` from the one kept before it (so a move that gains less is
+taken on the way, not kept at the end). Where two segments' backwards peak within ``MIN_GAIN`` of each
+other, no one move gains ``MIN_GAIN``: the first lowers one of them, the next the other (ResNet-50 at
+batch 8, 224²: from Chen's √n plan, 413.9 MiB to 362.9, where a move had to gain 1% at once and none did):
 
 * **split** a segment (at any level) by a plan of its own subgraph: the DP of Kusumoto et al. run on
   the segment's nodes, whose boundary inputs are sources outside the subgraph; the sub-plans taken are
@@ -75,8 +79,9 @@ PATIENCE = 6
 #: 11, 23 and 13 from its three starting plans; a 1,000-node GPT-2 took over 50 and 5 minutes uncapped.
 MEASUREMENTS, MEASUREMENT_WORK = 48, 24_000
 
-#: A round's best move is taken only if it lowers the measured peak by at least this fraction: smaller
-#: gains cost a recomputation and minutes of search each (ResNet-50 at batch 96: 2.4% in 5 rounds, 405 s).
+#: A plan is kept only if it lowers the measured peak by at least this fraction from the plan kept before it:
+#: smaller gains cost a recomputation and minutes of search each (ResNet-50 at batch 96: 2.4% in 5 rounds,
+#: 405 s). Moves that gain less are taken on the way to one that does (module docstring).
 MIN_GAIN = 0.01
 
 #: Most measurements spent, once the smallest peak P is found, on undoing moves that do not matter for P
@@ -90,12 +95,12 @@ CHEAPEN = 16
 #: fake step; a replay, a fraction of one.
 TOLERANCE = 0.03
 
-#: A move is measured only if its replayed peak is also at most this fraction above the replayed peak of the
-#: plan it must beat, less MIN_GAIN: only moves the replay predicts to gain at least MIN_GAIN -
-#: RELATIVE_TOLERANCE are measured. Where the replay errs, it errs alike on a plan and the moves made from
-#: it (the same segments around the peak), so a move it predicts lowers nothing, measured, lowers nothing:
+#: A move is measured only if its replayed peak is below the replayed peak of the plan it must beat (the replay
+#: predicts a gain), and a tree that must keep a peak (:meth:`NestedSearch.cheapen`) only if its replayed peak is
+#: at most this fraction above that plan's. Where the replay errs, it errs alike on a plan and the moves made
+#: from it (the same segments around the peak), so a move it predicts lowers nothing, measured, lowers nothing:
 #: most of the search's measurements were such moves (no-budget ResNet-50 at batch 8: 44 fake steps before,
-#: 19 now, the same plan; docs/planner.md).
+#: 19 after, the same plan; docs/planner.md).
 RELATIVE_TOLERANCE = 0.005
 
 #: PATIENCE when moves are measured lowest replayed peak first: the moves that lower the peak come first.
@@ -315,12 +320,15 @@ class NestedSearch:
     def _replayed(self, blocks: list[Block]) -> int:
         return 0 if self.replayed is None else self.replayed(blocks)
 
-    def _may_beat(self, predicted: int, bar: float, replayed_bar: float) -> bool:
+    def _may_beat(self, predicted: int, bar: float, replayed_bar: float, gain: bool = False) -> bool:
         """False if a tree replayed at ``predicted`` cannot measure at most ``bar`` (a measured peak to beat,
         whose plan replays at ``replayed_bar``) unless the replay errs beyond ``TOLERANCE`` or
-        ``RELATIVE_TOLERANCE``; always True without a replay."""
+        ``RELATIVE_TOLERANCE``; with ``gain``, also unless the replay predicts a peak below ``replayed_bar``.
+        Always True without a replay."""
         if self.replayed is None:
             return True
+        if gain and predicted >= replayed_bar:
+            return False
         return predicted <= bar * (1 + TOLERANCE) and predicted <= replayed_bar * (1 + RELATIVE_TOLERANCE)
 
     def _promising(self, trees: Iterable[list[Block]]) -> list[tuple[int, list[Block]]]:
@@ -373,29 +381,25 @@ class NestedSearch:
         order = sorted(range(len(base.segments)), key=lambda i: -segment_peaks[i]) if segment_peaks else []
         rank = {v: r for r, i in enumerate(order) for v in base.segments[i]}
         best_blocks = [Block(list(s)) for s in base.segments]
-        best, code, lowered = base_measured, None, False
+        best, code, kept = base_measured, None, None
         best_replayed = self._replayed(best_blocks)
         for _ in range(ROUNDS):
             round_best, idle = None, 0  # (measured, code, tree, replayed)
             patience = PATIENCE if self.replayed is None else REPLAYED_PATIENCE
             for predicted, cand in self._promising(itertools.islice(self._moves(best_blocks, rank), MOVES_PER_ROUND)):
-                if round_best is None:
-                    bar, replayed_bar = best * (1 - MIN_GAIN), best_replayed * (1 - MIN_GAIN)
-                else:
-                    bar, replayed_bar = round_best[0], round_best[3] * (1 - MIN_GAIN)
+                bar, replayed_bar = (best, best_replayed) if round_best is None else (round_best[0], round_best[3])
                 if idle == patience or min(self.measurements_left, self.total_left) <= 0 \
-                        or not self._may_beat(predicted, bar, replayed_bar):
+                        or not self._may_beat(predicted, bar, replayed_bar, gain=True):
                     break
                 got = self.measure(cand, predicted)
                 idle += 1
-                if got is not None and got[0] < (best if round_best is None else round_best[0]):
+                if got is not None and got[0] < bar:
                     round_best, idle = (got[0], got[1], cand, predicted), 0
-            if round_best is None or round_best[0] > best * (1 - MIN_GAIN):
+            if round_best is None:
                 break
             best, code, best_blocks, best_replayed = round_best
-            lowered = True
             logger.debug("nested: %s peak %d bytes, %d measurements left", "replayed" if self.trusted else "measured",
                          best, self.measurements_left)
-        if not lowered:
-            return None
-        return NestedResult(best_blocks, best, code, recompute_fraction(self.cg, best_blocks))
+            if best <= (base_measured if kept is None else kept.measured) * (1 - MIN_GAIN):
+                kept = NestedResult(best_blocks, best, code, recompute_fraction(self.cg, best_blocks))
+        return kept

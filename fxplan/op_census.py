@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from fxplan.effects import written_arguments
+from fxplan.scratch import scratch_bytes
 from fxplan.timecost import op_kind, op_traffic
 
 
@@ -62,7 +63,12 @@ class NewStorages(TorchDispatchMode):
         self._note_old(tensors((args, kwargs)))
         out = func(*args, **kwargs)
         self._note_new(tensors(out))
+        self._note_scratch(func, args, kwargs)
         return out
+
+    def _note_scratch(self, func, args: tuple, kwargs: dict) -> None:
+        """The op's kernel held its scratch beside its outputs (:mod:`fxplan.scratch`)."""
+        self.peak_bytes = max(self.peak_bytes, self.current + scratch_bytes(func, args, kwargs))
 
     def _note_old(self, inputs: list[torch.Tensor]) -> None:
         for t in inputs:
@@ -123,6 +129,7 @@ class NodeCensus(NewStorages):
         out = _counting_flops(self, func, args, kwargs)
         outputs = tensors(out)
         self._note_new(outputs)
+        self._note_scratch(func, args, kwargs)
         self.ops += 1
         moved = op_traffic(inputs, written, outputs)
         self.bytes_moved += moved

@@ -20,8 +20,8 @@ through a private fake-tensor copy of the model, one node at a time, to record p
 * ``mutates``: the buffers the node writes in place, seen from the schemas of the ops it runs;
 * ``forward_rise`` and ``backward_rise``: the most bytes of new storages the node's forward and its
   backward hold at once (its outputs and gradients, and the temporaries between the ops it runs: an
-  attention decomposed into matmuls, a softmax and a dropout), for the replay (``backward_rise`` where
-  not 0).
+  attention decomposed into matmuls, a softmax and a dropout; and what their kernels hold inside
+  themselves, :mod:`fxplan.scratch`), for the replay (``backward_rise`` where not 0).
 
 The same propagation records what the replay of a plan's backward (:mod:`fxplan.replay`) needs from
 autograd: which inputs of each node its backward gives a gradient, which nodes have no backward of

@@ -1,0 +1,182 @@
+"""Kernel scratch: bytes an operator's kernel allocates and frees while it runs.
+
+A dispatch-level meter sees the storages an op returns, not the workspace its kernel takes on the way: on
+a CPU, ``convolution_backward`` (oneDNN) holds tens of MiB beyond its gradients, a convolution's forward
+reorders its input, BatchNorm's backward in training a second buffer the size of its input; on CUDA,
+cuDNN and cuBLAS take workspaces. A plan that recomputes has its peak inside a backward, where these
+kernels run, so a real step's peak (torch.profiler's allocation events, CUDA's ``max_memory_allocated``)
+was 1-6% above fxplan's meter (docs/results.md), and a budget met in the meter was missed on the device.
+
+:func:`scratch_bytes` gives, for one ATen op call (fake or real arguments), the most bytes its kernel
+holds at once beyond its outputs. It runs the op once on real tensors of the same shapes, strides and
+dtypes on the arguments' device, with the current thread count, under ``torch.profiler``'s memory events
+(the allocations made inside the call: the highest total less what is still allocated when it returns,
+its outputs), and keeps the result for the rest of the process, by op, arguments, device and threads.
+The meters (:class:`fxplan.measure.StorageTracker`, :class:`fxplan.op_census.NewStorages`) add it to the
+live bytes while the op runs, so measured peaks, replays and budgets count it.
+
+Not measured (0): ops outside the ``aten`` namespace (custom ops, collectives), ops that return views of
+their inputs, ops that take a kernel's opaque state from an earlier call (:data:`OPAQUE_STATE`), calls with
+symbolic shapes or arguments of unknown kinds, calls whose tensors together take more than
+:data:`MAX_BYTES`, and calls made while a profiler is already running (one cannot be nested). The random
+number generators are left as they were.
+
+Not seen either: the CPU generator's state (5,056 bytes) that each recomputed segment's checkpoint keeps
+(``torch.get_rng_state`` makes it outside the dispatcher), and the scratch of a backward kernel whose incoming
+gradient has another layout than the trace gave it (the replay runs each node's backward on contiguous
+gradients; the default loss, a sum, hands the output a broadcast one): the replay misses it, the measured
+peak that decides has it (``tests/test_replay.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
+
+from fxplan.console import filter_native_logs
+
+logger = logging.getLogger("fxplan")
+
+#: A call whose argument tensors take more bytes than this is not run for its scratch (0 assumed, logged):
+#: it would allocate them for real.
+MAX_BYTES = 4 * 1024**3
+
+_MEASURED: dict[tuple, int] = {}
+_ENABLED = [True]
+_MARK = "fxplan.kernel_scratch"
+
+
+def scratch_bytes(func: Any, args: tuple, kwargs: dict) -> int:
+    """The most bytes ``func(*args, **kwargs)``'s kernel holds at once beyond its outputs (module docstring)."""
+    if not _ENABLED[0] or not _measurable(func):
+        return 0
+    key = _key(func, args, kwargs)
+    if key is None:
+        return 0
+    if key not in _MEASURED:
+        if torch.autograd.profiler._is_profiler_enabled:
+            logger.debug("kernel scratch of %s not measured: a profiler is running", func)
+            return 0
+        _MEASURED[key] = _measure(func, args, kwargs)
+    return _MEASURED[key]
+
+
+@contextlib.contextmanager
+def not_counted() -> Iterator[None]:
+    """Meters inside the block count no kernel scratch: what the storages alone hold."""
+    held, _ENABLED[0] = _ENABLED[0], False
+    try:
+        yield
+    finally:
+        _ENABLED[0] = held
+
+
+#: Arguments that carry a kernel's own state from an earlier call (an RNN's workspace or reserve, its packed
+#: weights, cuDNN's dropout state): random bytes there crash the kernel (``mkldnn_rnn_layer_backward``: a
+#: segmentation fault), so ops taking them are not run.
+OPAQUE_STATE = ("workspace", "reserve", "weight_buf", "dropout_state")
+
+_MEASURABLE: dict[Any, bool] = {}
+
+
+def _measurable(func: Any) -> bool:
+    """An ATen op whose outputs are not views of its inputs and that takes no opaque state (``OPAQUE_STATE``)."""
+    if func not in _MEASURABLE:
+        schema = getattr(func, "_schema", None)
+        _MEASURABLE[func] = (
+            isinstance(func, torch._ops.OpOverload) and func.namespace == "aten"
+            and not any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+            and not any(word in a.name for a in schema.arguments for word in OPAQUE_STATE)
+        )
+    return _MEASURABLE[func]
+
+
+def _key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
+    def describe(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device.type)
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise TypeError
+        if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                       torch.memory_format)):
+            return x
+        raise TypeError
+
+    try:
+        leaves = tuple(describe(x) for x in tree_leaves((args, kwargs)))
+        spec = repr(torch.utils._pytree.tree_structure((args, kwargs)))
+    except (TypeError, RuntimeError):  # symbolic shapes, an argument of no known kind
+        return None
+    return func, leaves, spec, torch.get_num_threads()
+
+
+def _measure(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> int:
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    total = sum(t.untyped_storage().nbytes() for t in tensors)
+    if total > MAX_BYTES or any(t.device.type == "meta" for t in tensors):
+        logger.info("fxplan: kernel scratch of %s not measured (%d bytes of arguments%s); counted as none", func,
+                    total, ", on the meta device" if any(t.device.type == "meta" for t in tensors) else "")
+        return 0
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with _disable_current_modes(), unset_fake_temporarily(), torch.random.fork_rng(devices=devices), \
+            torch.no_grad():
+        real_args, real_kwargs = tree_map(_real_like, (args, kwargs))
+        try:
+            with filter_native_logs(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                with record_function(_MARK):
+                    out = func(*real_args, **real_kwargs)
+            del out
+        except Exception as exc:  # noqa: BLE001 (an op that needs values these random ones are not: no figure)
+            logger.debug("kernel scratch of %s not measured: %s", func, exc)
+            return 0
+    return _scratch_in(prof)
+
+
+def _real_like(x: Any) -> Any:
+    """A real tensor with ``x``'s shape, strides, dtype and device (random floats, zeros otherwise: zero is a
+    valid index for any gather or embedding); other values unchanged."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    storage = torch.empty(x.untyped_storage().nbytes() // x.element_size(), dtype=x.dtype, device=x.device)
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        storage.normal_()
+    else:
+        storage.zero_()
+    return storage.as_strided(tuple(x.shape), x.stride(), x.storage_offset())
+
+
+def _scratch_in(prof: Any) -> int:
+    """The highest total of the allocations inside the marked range less what they still hold at its end."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+
+    def allocations(node: Any) -> None:
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        for child in node.children:
+            allocations(child)
+
+    def marked(node: Any) -> None:
+        if node.name == _MARK:
+            allocations(node)
+            return
+        for child in node.children:
+            marked(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        marked(root)
+    current = highest = 0
+    for _, size in sorted(events):
+        current += size
+        highest = max(highest, current)
+    return max(0, highest - current)
