@@ -11,7 +11,9 @@ was 1-6% above fxplan's meter (docs/results.md), and a budget met in the meter w
 holds at once beyond its outputs. It runs the op once on real tensors of the same shapes, strides and
 dtypes on the arguments' device, with the current thread count, under ``torch.profiler``'s memory events
 (the allocations made inside the call: the highest total less what is still allocated when it returns,
-its outputs), and keeps the result for the rest of the process, by op, arguments, device and threads.
+its outputs), and keeps the result by op, arguments, device and threads, for the process and in
+``kernel_scratch.json`` in fxplan's cache folder (``FXPLAN_CACHE_DIR``, default ``~/.cache/fxplan``; per
+machine and torch version; delete it to measure again).
 The meters (:class:`fxplan.measure.StorageTracker`, :class:`fxplan.op_census.NewStorages`) add it to the
 live bytes while the op runs, so measured peaks, replays and budgets count it.
 
@@ -30,6 +32,7 @@ peak that decides has it (``tests/test_replay.py``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 from collections.abc import Iterator
@@ -40,6 +43,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
+from fxplan import timecost
 from fxplan.console import filter_native_logs
 
 logger = logging.getLogger("fxplan")
@@ -61,10 +65,15 @@ def scratch_bytes(func: Any, args: tuple, kwargs: dict) -> int:
     if key is None:
         return 0
     if key not in _MEASURED:
-        if torch.autograd.profiler._is_profiler_enabled:
+        stored = _stored(key)
+        if stored is not None:
+            _MEASURED[key] = stored
+        elif torch.autograd.profiler._is_profiler_enabled:
             logger.debug("kernel scratch of %s not measured: a profiler is running", func)
             return 0
-        _MEASURED[key] = _measure(func, args, kwargs)
+        else:
+            _MEASURED[key] = _measure(func, args, kwargs)
+            _store(key, _MEASURED[key])
     return _MEASURED[key]
 
 
@@ -115,6 +124,43 @@ def _key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     except (TypeError, RuntimeError):  # symbolic shapes, an argument of no known kind
         return None
     return func, leaves, spec, torch.get_num_threads()
+
+
+CACHE_NAME = "kernel_scratch.json"
+_FILE: dict[str, dict[str, int]] | None = None  # the cache file's figures, by machine and repr of the key
+_UNSAVED = [0]
+
+
+def _machine(key: tuple) -> str:
+    devices = {leaf[5] for leaf in key[1] if isinstance(leaf, tuple) and leaf[:1] == ("T",)} or {"cpu"}
+    return timecost._machine_key(torch.device(min(devices)))
+
+
+def _stored(key: tuple) -> int | None:
+    """The figure kept in the cache file (``kernel_scratch.json`` in the folder of
+    :data:`fxplan.timecost.CACHE_DIR_ENV`) for ``key`` on this machine, torch and thread count; None if none."""
+    global _FILE
+    if _FILE is None:
+        _FILE = timecost._read_cache(CACHE_NAME)
+        atexit.register(_save)
+    return _FILE.get(_machine(key), {}).get(repr(key))
+
+
+def _store(key: tuple, nbytes: int) -> None:
+    _FILE.setdefault(_machine(key), {})[repr(key)] = nbytes
+    _UNSAVED[0] += 1
+    if _UNSAVED[0] >= 256:
+        _save()
+
+
+def _save() -> None:
+    """Write the figures measured here into the cache file, beside those other processes wrote."""
+    if _UNSAVED[0]:
+        merged = timecost._read_cache(CACHE_NAME)
+        for machine, figures in _FILE.items():
+            merged[machine] = {**merged.get(machine, {}), **figures}
+        timecost._write_cache(merged, CACHE_NAME)
+        _UNSAVED[0] = 0
 
 
 def _measure(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> int:

@@ -112,24 +112,24 @@ def _machine_key(device: torch.device) -> str:
             f"benchmark={BENCHMARK_VERSION}")
 
 
-def _cache_file() -> Path:
+def _cache_file(name: str = "device_speed.json") -> Path:
     folder = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fxplan"
-    return Path(folder) / "device_speed.json"
+    return Path(folder) / name
 
 
-def _read_cache() -> dict[str, dict[str, Any]]:
+def _read_cache(name: str = "device_speed.json") -> dict[str, dict[str, Any]]:
     try:
-        return json.loads(_cache_file().read_text())
+        return json.loads(_cache_file(name).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _write_cache(speeds: dict[str, dict[str, Any]]) -> None:
-    path = _cache_file()
+def _write_cache(figures: dict[str, dict[str, Any]], name: str = "device_speed.json") -> None:
+    path = _cache_file(name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(speeds, indent=1))
+        tmp.write_text(json.dumps(figures, indent=1))
         tmp.replace(path)
     except OSError as exc:  # a read-only home: the figures stay cached for this process only
         logger.debug("could not write %s: %s", path, exc)

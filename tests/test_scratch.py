@@ -23,7 +23,15 @@ def resnet():
     return torchvision.models.resnet18(weights=None).train(), (torch.randn(4, 3, 64, 64),)
 
 
-def test_batch_norm_backward_holds_a_buffer_the_size_of_its_input():
+@pytest.fixture
+def measured_afresh(monkeypatch, tmp_path):
+    """No figure kept from before, in the process or in a cache file."""
+    monkeypatch.setenv("FXPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(scratch, "_MEASURED", {})
+    monkeypatch.setattr(scratch, "_FILE", None)
+
+
+def test_batch_norm_backward_holds_a_buffer_the_size_of_its_input(measured_afresh):
     x = torch.randn(4, 8, 16, 16)
     stats = [torch.ones(8), torch.zeros(8), torch.ones(8), torch.zeros(8), torch.ones(8)]
     call = (x, x, *stats, True, 1e-5, [True, True, True])
@@ -31,7 +39,7 @@ def test_batch_norm_backward_holds_a_buffer_the_size_of_its_input():
     assert scratch.scratch_bytes(aten.view.default, (x, [4, -1]), {}) == 0  # a view allocates nothing
 
 
-def test_measuring_a_random_op_leaves_the_generator_as_it_was():
+def test_measuring_a_random_op_leaves_the_generator_as_it_was(measured_afresh):
     x = torch.randn(64, 64)
     state = torch.random.get_rng_state()
     scratch.scratch_bytes(aten.native_dropout.default, (x, 0.5, True), {})
@@ -65,3 +73,14 @@ def test_a_budget_holds_on_the_profilers_meter(resnet):
     optimized = fxplan.rewrite(copy.deepcopy(model), budget_bytes=budget, example_inputs=inputs)
     recomputed = sum(s.fxplan_recompute for s in optimized.segment_modules())
     assert measure_step_profiler(optimized, inputs).peak_bytes <= budget + recomputed * RNG_STATE_BYTES
+
+
+def test_figures_are_kept_in_the_cache_file(measured_afresh, tmp_path, monkeypatch):
+    call = (torch.randn(4, 8, 16, 16), torch.randn(8, 8, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    first = scratch.scratch_bytes(aten.convolution.default, call, {})
+    scratch._save()
+    assert (tmp_path / scratch.CACHE_NAME).exists()
+    scratch._MEASURED.clear()
+    monkeypatch.setattr(scratch, "_FILE", None)
+    monkeypatch.setattr(scratch, "_measure", None)  # read back from the file, not measured again
+    assert scratch.scratch_bytes(aten.convolution.default, call, {}) == first
