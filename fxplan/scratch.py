@@ -19,7 +19,8 @@ live bytes while the op runs, so measured peaks, replays and budgets count it.
 
 Not measured (0): ops outside the ``aten`` namespace (custom ops, collectives), ops that return views of
 their inputs, ops that take a kernel's opaque state from an earlier call (:data:`OPAQUE_STATE`), calls with
-symbolic shapes or arguments of unknown kinds, calls whose tensors together take more than
+symbolic shapes or arguments of unknown kinds, calls on a device this process does not have (a CUDA model's
+fake tensors planned on a machine without a GPU, the meta device), calls whose tensors together take more than
 :data:`MAX_BYTES`, and calls made while a profiler is already running (one cannot be nested). The random
 number generators are left as they were.
 
@@ -62,7 +63,7 @@ def scratch_bytes(func: Any, args: tuple, kwargs: dict) -> int:
     if not _ENABLED[0] or not _measurable(func):
         return 0
     key = _key(func, args, kwargs)
-    if key is None:
+    if key is None or not _runnable(key):
         return 0
     if key not in _MEASURED:
         stored = _stored(key)
@@ -105,6 +106,24 @@ def _measurable(func: Any) -> bool:
             and not any(word in a.name for a in schema.arguments for word in OPAQUE_STATE)
         )
     return _MEASURABLE[func]
+
+
+_UNRUNNABLE: set[str] = set()
+
+
+def _runnable(key: tuple) -> bool:
+    """Whether this process can run the call's kernels: fake tensors of a CUDA model planned on a machine
+    without a GPU (or on the meta device) cannot be measured; their scratch counts as none (logged once)."""
+    for device in {leaf[5] for leaf in key[1] if isinstance(leaf, tuple) and leaf[:1] == ("T",)}:
+        module = getattr(torch, device, None)
+        usable = device == "cpu" or (device != "meta" and module is not None and module.is_available())
+        if not usable:
+            if device not in _UNRUNNABLE:
+                _UNRUNNABLE.add(device)
+                logger.info("fxplan: kernel scratch on %s is not measured here (no such device in this process); "
+                            "counted as none", device)
+            return False
+    return True
 
 
 def _key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
@@ -166,9 +185,8 @@ def _save() -> None:
 def _measure(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> int:
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     total = sum(t.untyped_storage().nbytes() for t in tensors)
-    if total > MAX_BYTES or any(t.device.type == "meta" for t in tensors):
-        logger.info("fxplan: kernel scratch of %s not measured (%d bytes of arguments%s); counted as none", func,
-                    total, ", on the meta device" if any(t.device.type == "meta" for t in tensors) else "")
+    if total > MAX_BYTES:
+        logger.info("fxplan: kernel scratch of %s not measured (%d bytes of arguments); counted as none", func, total)
         return 0
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     from torch.profiler import ProfilerActivity, profile, record_function

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torchvision
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 from fxplan import scratch
@@ -84,3 +85,10 @@ def test_figures_are_kept_in_the_cache_file(measured_afresh, tmp_path, monkeypat
     monkeypatch.setattr(scratch, "_FILE", None)
     monkeypatch.setattr(scratch, "_measure", None)  # read back from the file, not measured again
     assert scratch.scratch_bytes(aten.convolution.default, call, {}) == first
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="planning for a device this machine lacks")
+def test_fake_tensors_of_a_device_the_machine_lacks_count_no_scratch(measured_afresh):
+    with FakeTensorMode():
+        x = torch.randn(4, 8, 16, 16, device="cuda")  # a CUDA model planned on a machine without a GPU
+    assert scratch.scratch_bytes(aten.relu.default, (x,), {}) == 0
