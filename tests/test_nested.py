@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 import random
+import types
 
 import pytest
 import torch
@@ -214,6 +215,34 @@ def test_cheapen_undoes_the_moves_that_do_not_matter_for_the_peak(monkeypatch):
     calls.clear()
     search.cheapen(start, None)
     assert len(calls) == 1
+
+
+def test_the_search_takes_a_move_that_gains_less_than_min_gain_on_the_way_to_one_that_does(monkeypatch):
+    """Two segments peaking together: the first move lowers one (a gain below MIN_GAIN), the next the other. The
+    search goes on through the first and keeps the plan after the second; a last move that gains too little is
+    not kept."""
+    from fxplan import nested
+    from fxplan.costgraph import CostGraph
+
+    cg = CostGraph()
+    for v in "abc":
+        cg.add_node(v, T=1.0)
+    B = subplans.Block
+    base = types.SimpleNamespace(segments=[["a"], ["b"], ["c"]])  # all improve() reads of a plan
+    peaks = {"": 1000, "a": 995, "ab": 900, "abc": 899}  # by the blocks split so far
+
+    def tree(done: str) -> list:
+        return [B([v], [B([v])]) if v in done else B([v]) for v in "abc"]
+
+    def key(blocks) -> str:
+        return "".join(b.names[0] for b in blocks if b.sub is not None)
+
+    search = nested.NestedSearch(cg, None, 10)
+    monkeypatch.setattr(search, "_moves", lambda blocks, rank: iter([tree(key(blocks) + "abc"[len(key(blocks))])]
+                                                                     if len(key(blocks)) < 3 else []))
+    monkeypatch.setattr(search, "measure", lambda blocks, replayed=None: (peaks[key(blocks)], None))
+    found = search.improve(base, peaks[""], [1, 1, 1])
+    assert found is not None and key(found.blocks) == "ab" and found.measured == 900
 
 
 def test_smallest_and_in_between_budgets_take_the_cheapest_nested_plan_measured():
