@@ -83,9 +83,13 @@ class StorageTracker(TorchDispatchMode):
         if category == BACKWARD:
             self._backward_live.add(serial)
         weakref.finalize(storage, self._release, key)
-        if self.current_bytes > self.peak_bytes:
-            self.peak_bytes = self.current_bytes
-            self.peak_breakdown = dict(self._by_category)
+        self._note_peak()
+
+    def _note_peak(self, scratch: int = 0) -> None:
+        """A new peak if the live bytes, with ``scratch`` a kernel holds beside them, exceed it."""
+        if self.current_bytes + scratch > self.peak_bytes:
+            self.peak_bytes = self.current_bytes + scratch
+            self.peak_breakdown = {**self._by_category, SCRATCH: scratch} if scratch else dict(self._by_category)
             self.peak_backward_serials = frozenset(self._backward_live)
 
     def _release(self, key: int) -> None:
@@ -106,11 +110,7 @@ class StorageTracker(TorchDispatchMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 self._add(leaf.untyped_storage(), self.phase)
-        scratch = scratch_bytes(func, args, kwargs)
-        if self.current_bytes + scratch > self.peak_bytes:  # the kernel held it beside its outputs
-            self.peak_bytes = self.current_bytes + scratch
-            self.peak_breakdown = {**self._by_category, SCRATCH: scratch}
-            self.peak_backward_serials = frozenset(self._backward_live)
+        self._note_peak(scratch_bytes(func, args, kwargs))  # the kernel held it beside its outputs
         if self.timeline is not None:
             self.timeline.append((str(func.overloadpacket.__name__), self.current_bytes))
         return out

@@ -114,7 +114,7 @@ _UNRUNNABLE: set[str] = set()
 def _runnable(key: tuple) -> bool:
     """Whether this process can run the call's kernels: fake tensors of a CUDA model planned on a machine
     without a GPU (or on the meta device) cannot be measured; their scratch counts as none (logged once)."""
-    for device in {leaf[5] for leaf in key[1] if isinstance(leaf, tuple) and leaf[:1] == ("T",)}:
+    for device in _devices(key):
         module = getattr(torch, device, None)
         usable = device == "cpu" or (device != "meta" and module is not None and module.is_available())
         if not usable:
@@ -150,9 +150,13 @@ _FILE: dict[str, dict[str, int]] | None = None  # the cache file's figures, by m
 _UNSAVED = [0]
 
 
+def _devices(key: tuple) -> set[str]:
+    """The device types of the call's tensors (:func:`_key`)."""
+    return {leaf[5] for leaf in key[1] if isinstance(leaf, tuple) and leaf[:1] == ("T",)}
+
+
 def _machine(key: tuple) -> str:
-    devices = {leaf[5] for leaf in key[1] if isinstance(leaf, tuple) and leaf[:1] == ("T",)} or {"cpu"}
-    return timecost._machine_key(torch.device(min(devices)))
+    return timecost._machine_key(torch.device(min(_devices(key) or {"cpu"})))
 
 
 def _stored(key: tuple) -> int | None:

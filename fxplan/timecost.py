@@ -85,6 +85,9 @@ _SPEEDS: dict[str, DeviceSpeed] = {}
 #: Environment variable naming the folder of fxplan's cache files (default: ``~/.cache/fxplan``).
 CACHE_DIR_ENV = "FXPLAN_CACHE_DIR"
 
+#: The cache file of the device benchmarks (:func:`device_speed`).
+SPEEDS_FILE = "device_speed.json"
+
 
 def device_speed(device: torch.device | str = "cpu") -> DeviceSpeed:
     """The measured :class:`DeviceSpeed` of ``device`` at the current ``torch.get_num_threads()``.
@@ -112,19 +115,19 @@ def _machine_key(device: torch.device) -> str:
             f"benchmark={BENCHMARK_VERSION}")
 
 
-def _cache_file(name: str = "device_speed.json") -> Path:
+def _cache_file(name: str = SPEEDS_FILE) -> Path:
     folder = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "fxplan"
     return Path(folder) / name
 
 
-def _read_cache(name: str = "device_speed.json") -> dict[str, dict[str, Any]]:
+def _read_cache(name: str = SPEEDS_FILE) -> dict[str, dict[str, Any]]:
     try:
         return json.loads(_cache_file(name).read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _write_cache(figures: dict[str, dict[str, Any]], name: str = "device_speed.json") -> None:
+def _write_cache(figures: dict[str, dict[str, Any]], name: str = SPEEDS_FILE) -> None:
     path = _cache_file(name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
