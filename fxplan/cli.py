@@ -169,7 +169,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     methods = default_methods(args.compile_budgets, args.curve_points, exact=not args.no_exact)
     if args.methods:
         methods = select_methods(methods, args.methods)
-    device = _device(args.device)
+    device = parse_device(args.device)
     comparison = compare_models(
         entries, batch_size=args.batch_size, input_size=args.input_size, small_batch=args.small_batch,
         small_input_size=args.small_input_size, methods=methods, progress=Progress(args.quiet),
@@ -188,7 +188,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device(name: str | None) -> torch.device:
+def parse_device(name: str | None) -> torch.device:
+    """The device that ``--device NAME`` names (None: CUDA when present, else the CPU); a clear error otherwise."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

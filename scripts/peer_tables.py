@@ -3,7 +3,7 @@
 Usage: python scripts/peer_tables.py [NAME ...] [--batch-size N ...] [--input-size H] [--rounds R]
        [--threads K] [--block-class CLS] [--compile-budgets F ...] [--only ROW ...] [--markdown]
 
-Rows (per network, real tensors on the CPU):
+Rows (per network, real tensors on ``--device``: CUDA when present, else the CPU):
 
 * ``vanilla``: the model as it is, the baseline of every ratio;
 * ``blocks``: every instance of the model's repeated block class (``--block-class``, or the most frequent
@@ -18,7 +18,8 @@ Rows (per network, real tensors on the CPU):
 
 Every module is built first (planning, compiling); then each one's peak is measured on one real step with
 one meter for all (:func:`fxplan.compare.real_step_peak`: torch.profiler allocation events plus the
-parameters, buffers and inputs), beside the fake-tensor meter fxplan plans with where it applies (not
+parameters, buffers and inputs on the CPU, the caching allocator's ``max_memory_allocated`` on CUDA),
+beside the fake-tensor meter fxplan plans with where it applies (not
 inside compiled code), so that the two can be checked against each other; then all are timed together by
 :func:`fxplan.timing.time_interleaved` (one warm-up round, ``--rounds`` rounds in rotated order,
 ``--threads`` threads). "ratio to vanilla" is the median and interquartile range of per-round ratios,
@@ -43,7 +44,8 @@ from torch import nn
 
 import models_zoo
 from fxplan import peers
-from fxplan.compare import real_step_peak
+from fxplan.cli import parse_device
+from fxplan.compare import describe_input, real_step_peak
 from fxplan.console import format_table
 from fxplan.errors import BudgetError
 from fxplan.measure import measure_step
@@ -62,6 +64,7 @@ from fxplan.timing import (
 MiB = 2**20
 DEFAULT_BATCH = {"resnet50": 8, "densenet161": 4}
 PEERS = ("blocks", "blocks-selective")
+CPU = torch.device("cpu")
 HEADER = ("row", "budget", "peak MiB", "fake-meter MiB", "vs vanilla", "step s", "ratio to vanilla (IQR)",
           "planning s", "dominated by")
 
@@ -89,7 +92,7 @@ def row_names(compile_budgets: Sequence[float]) -> list[str]:
 
 def build_rows(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor], *,
                wanted: Sequence[str], block: str | None = None, compile_budgets: Sequence[float] = (0.5, 0.25),
-               log: Callable[[str], None] = print) -> list[Row]:
+               device: torch.device = CPU, log: Callable[[str], None] = print) -> list[Row]:
     """Build the ``wanted`` rows (vanilla always) and measure each one's peak on a real step; nothing timed.
 
     Peers first, so that each ``fxplan@PEER`` row can take the peer's measured peak as its budget.
@@ -101,15 +104,16 @@ def build_rows(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.T
                 model, block, selective=s == "blocks-selective"), None), log))
     for f in compile_budgets:
         if f"torch.compile@{f:g}" in wanted:
-            rows.append(_built(f"torch.compile@{f:g}", "peer", lambda f=f: _compiled(model, f, inputs, loss_fn), log))
+            rows.append(_built(f"torch.compile@{f:g}", "peer", lambda f=f: _compiled(model, f, inputs, loss_fn, device),
+                                log))
             rows[-1].budget = f"activation_memory_budget={f:g}"
     for row in rows:
-        _measure_peaks(row, inputs, loss_fn, log)
+        _measure_peaks(row, inputs, loss_fn, device, log)
     vanilla_fake = rows[0].fake_peak
     if "fxplan-smallest" in wanted or "fxplan-middle" in wanted:
         smallest = _built("fxplan-smallest", "fxplan", lambda: _fxplan(model, inputs, loss_fn, None), log)
         smallest.budget = "smallest"
-        _measure_peaks(smallest, inputs, loss_fn, log)
+        _measure_peaks(smallest, inputs, loss_fn, device, log)
         if "fxplan-smallest" in wanted:
             rows.append(smallest)
         if "fxplan-middle" in wanted:
@@ -120,7 +124,7 @@ def build_rows(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.T
                 middle = (smallest.fake_peak + vanilla_fake) // 2
                 rows.append(_built("fxplan-middle", "fxplan", lambda: _fxplan(model, inputs, loss_fn, middle), log))
                 rows[-1].budget = f"{middle / MiB:.1f} MiB"
-                _measure_peaks(rows[-1], inputs, loss_fn, log)
+                _measure_peaks(rows[-1], inputs, loss_fn, device, log)
     excess = max(0, rows[0].peak - vanilla_fake) if rows[0].peak and vanilla_fake else 0
     for peer in [r for r in rows if r.family == "peer"]:
         name = f"fxplan@{peer.name}"
@@ -129,11 +133,11 @@ def build_rows(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.T
         if peer.peak is None:
             rows.append(Row(name, "fxplan", note=f"no budget: {peer.name} has no measured peak"))
             continue
-        rows.append(_at_peer(name, peer.peak, excess, model, inputs, loss_fn, log))
+        rows.append(_at_peer(name, peer.peak, excess, model, inputs, loss_fn, device, log))
     return rows
 
 
-def _at_peer(name: str, peak: int, excess: int, model: nn.Module, inputs: tuple, loss_fn,
+def _at_peer(name: str, peak: int, excess: int, model: nn.Module, inputs: tuple, loss_fn, device: torch.device,
              log: Callable[[str], None], tries: int = 3) -> Row:
     """fxplan's time-centric plan whose real-step peak is at most a peer's ``peak``.
 
@@ -146,7 +150,7 @@ def _at_peer(name: str, peak: int, excess: int, model: nn.Module, inputs: tuple,
     for _ in range(tries):
         row = _built(name, "fxplan", lambda b=budget: _fxplan(model, inputs, loss_fn, b), log)
         row.budget = f"{budget / MiB:.1f} MiB"
-        _measure_peaks(row, inputs, loss_fn, log)
+        _measure_peaks(row, inputs, loss_fn, device, log)
         if row.peak is None or row.peak <= peak:
             break
         budget -= row.peak - peak
@@ -165,10 +169,11 @@ def _built(name: str, family: str, build: Callable[[], tuple[nn.Module, float | 
     return Row(name, family, module, plan_seconds=seconds)
 
 
-def _compiled(model: nn.Module, fraction: float, inputs: tuple, loss_fn) -> tuple[nn.Module, float]:
+def _compiled(model: nn.Module, fraction: float, inputs: tuple, loss_fn,
+              device: torch.device) -> tuple[nn.Module, float]:
     """A compiled copy of ``model`` (its own BatchNorm statistics), compiled by a warm-up step: (module, s)."""
     start = time.perf_counter()
-    module = peers.compile_peer(real_copy(model, torch.device("cpu")), fraction)
+    module = peers.compile_peer(real_copy(model, device), fraction)
     module.warm_up(inputs, loss_fn)
     return module, time.perf_counter() - start
 
@@ -180,13 +185,13 @@ def _fxplan(model: nn.Module, inputs: tuple, loss_fn, budget: int | None) -> tup
     return module, time.perf_counter() - start
 
 
-def _measure_peaks(row: Row, inputs: tuple, loss_fn, log: Callable[[str], None]) -> None:
+def _measure_peaks(row: Row, inputs: tuple, loss_fn, device: torch.device, log: Callable[[str], None]) -> None:
     """The row's real-step peak (the one meter) and, outside compiled code, its fake-tensor peak."""
     if row.module is None:
         return
     log(f"measuring the peak of {row.name}")
     try:
-        row.peak, _ = real_step_peak(row.module, inputs, loss_fn, torch.device("cpu"))
+        row.peak, _ = real_step_peak(row.module, inputs, loss_fn, device)
     except Exception as exc:
         row.module, row.note = None, f"crashed in a real step: {str(exc).splitlines()[0]}"[:300]
         return
@@ -198,10 +203,10 @@ def _measure_peaks(row: Row, inputs: tuple, loss_fn, log: Callable[[str], None])
 
 
 def time_rows(rows: list[Row], inputs: tuple, loss_fn, *, rounds: int, threads: int | None,
-              log: Callable[[str], None] = print) -> None:
+              device: torch.device = CPU, log: Callable[[str], None] = print) -> None:
     """Time every built row together (:func:`fxplan.timing.time_interleaved`, vanilla the baseline)."""
     live = {r.name: r for r in rows if r.module is not None}
-    steps = {name: training_step(r.module, inputs, loss_fn) for name, r in live.items()}
+    steps = {name: training_step(r.module, inputs, loss_fn, device) for name, r in live.items()}
     timings = time_interleaved(steps, baseline="vanilla", rounds=rounds, warmup=1, threads=threads,
                                on_round=lambda s: log(f"timing {len(steps)} modules: {s}"))
     for name, t in timings.items():
@@ -270,12 +275,13 @@ def _mib(n: int | None) -> str:
 
 def peer_table(model: nn.Module, inputs: tuple, loss_fn, *, wanted: Sequence[str], rounds: int,
                threads: int | None, block: str | None = None, compile_budgets: Sequence[float] = (0.5, 0.25),
+               device: torch.device = CPU,
                log: Callable[[str], None] = print) -> tuple[list[Row], list[tuple]]:
     """One network's table: build and meter the ``wanted`` rows, then time them together (module docstring)."""
     with fixed_threads(threads):
         rows = build_rows(model, inputs, loss_fn, wanted=wanted, block=block, compile_budgets=compile_budgets,
-                          log=log)
-        time_rows(rows, inputs, loss_fn, rounds=rounds, threads=threads, log=log)
+                          device=device, log=log)
+        time_rows(rows, inputs, loss_fn, rounds=rounds, threads=threads, device=device, log=log)
     return rows, table(rows)
 
 
@@ -298,7 +304,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--only", nargs="+", metavar="ROW", help="rows to build (vanilla always); 'fxplan@peers': "
                         "fxplan at every chosen peer's peak")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    parser.add_argument("--device", default=None, help="device of every step (default: cuda if present, else cpu)")
     args = parser.parse_args(argv)
+    device = parse_device(args.device)
     models_zoo.resolve_all(args.names)
     batches = args.batch_size or [DEFAULT_BATCH.get(n, 8) for n in args.names]
     if len(batches) == 1:
@@ -312,18 +320,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         unknown = set(args.only) - set(names) - {"fxplan@peers"}
         if unknown:
             parser.error(f"unknown rows {', '.join(sorted(unknown))}; rows: {', '.join(names)}, fxplan@peers")
-    print(f"{os.cpu_count()}-core CPU; {args.threads} threads, {args.input_size}², {args.rounds} interleaved rounds "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()}-core CPU"
+    print(f"{where}; {args.threads} threads, {args.rounds} interleaved rounds "
           f"after one warm-up; torch {torch.__version__}", flush=True)
     for name, batch in zip(args.names, batches):
         entry = models_zoo.get(name)
         torch.manual_seed(0)
-        model = entry.build()
-        inputs = tuple(entry.example_inputs(batch, args.input_size))
+        model = entry.build().to(device)
+        inputs = tuple(t.to(device) for t in entry.example_inputs(batch, args.input_size))
         rows, cells = peer_table(model, inputs, entry.loss, wanted=wanted, rounds=args.rounds, threads=args.threads,
-                                 block=args.block_class, compile_budgets=args.compile_budgets,
+                                 block=args.block_class, compile_budgets=args.compile_budgets, device=device,
                                  log=lambda s, n=name: print(f"{n}: {s}", file=sys.stderr, flush=True))
         block = next((r.module.fxplan_block_class for r in rows if hasattr(r.module, "fxplan_block_class")), None)
-        print(f"\n{name}, batch {batch}, {args.input_size}²" + (f" (block class: {block})" if block else ""))
+        print(f"\n{name}, batch {batch}, {describe_input(entry.kind, args.input_size)}"
+              + (f" (block class: {block})" if block else ""))
         print(markdown(HEADER, cells) if args.markdown else format_table(HEADER, cells))
         print(meter_check(rows), flush=True)
         if rows[0].timing and rows[0].timing.median < MIN_STEP_SECONDS:
