@@ -89,9 +89,10 @@ def not_counted() -> Iterator[None]:
 
 
 #: Arguments that carry a kernel's own state from an earlier call (an RNN's workspace or reserve, its packed
-#: weights, cuDNN's dropout state): random bytes there crash the kernel (``mkldnn_rnn_layer_backward``: a
-#: segmentation fault), so ops taking them are not run.
-OPAQUE_STATE = ("workspace", "reserve", "weight_buf", "dropout_state")
+#: weights, cuDNN's dropout state, the random-number seed and offset of fused attention's dropout): random
+#: bytes there crash the kernel (segmentation faults: ``mkldnn_rnn_layer_backward`` on a CPU,
+#: ``_scaled_dot_product_efficient_attention_backward`` on an H100), so ops taking them are not run.
+OPAQUE_STATE = ("workspace", "reserve", "weight_buf", "dropout_state", "philox", "rng_state", "seed")
 
 _MEASURABLE: dict[Any, bool] = {}
 

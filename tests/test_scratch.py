@@ -92,3 +92,13 @@ def test_fake_tensors_of_a_device_the_machine_lacks_count_no_scratch(measured_af
     with FakeTensorMode():
         x = torch.randn(4, 8, 16, 16, device="cuda")  # a CUDA model planned on a machine without a GPU
     assert scratch.scratch_bytes(aten.relu.default, (x,), {}) == 0
+
+
+@pytest.mark.parametrize("op", [
+    aten._scaled_dot_product_efficient_attention_backward.default,  # philox_seed/offset: segfaulted on an H100
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten.mkldnn_rnn_layer_backward.default,  # workspace: segfaulted on this CPU
+])
+def test_ops_taking_a_kernels_own_state_are_never_run(op, measured_afresh, monkeypatch):
+    monkeypatch.setattr(scratch, "_measure", lambda *a: pytest.fail(f"{op} was run for its scratch"))
+    assert scratch.scratch_bytes(op, (torch.randn(2, 2),), {}) == 0
