@@ -11,6 +11,10 @@ that working set, some storages exist for the whole step or from their creation 
   (``out = model(x); loss = loss_fn(out); loss.backward()``, the step :func:`fxplan.measure_step`
   measures).
 
+An op's working set includes its kernel's scratch (:mod:`fxplan.scratch`): what the kernel allocates and
+frees inside itself is live beside its operands under every plan too (oneDNN's convolution backward on a
+CPU, cuDNN's workspaces on CUDA).
+
 :func:`physical_floor` runs one plain step on fake tensors (nothing is allocated) under a dispatch mode
 that sees every ATen op, and returns the largest sum over the ops of (working set + what is held at that
 op), counting every storage once, as the meter does. No plan of the same ops can peak below it; a plan's
@@ -35,6 +39,7 @@ from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 from fxplan.measure import default_loss, existing_grads
+from fxplan.scratch import scratch_bytes
 
 
 @dataclass
@@ -42,8 +47,9 @@ class Floor:
     """The physical floor of one step (bytes) and where it is reached.
 
     ``resident_bytes``: parameters, buffers, inputs, existing gradients; ``op_bytes``: the working set
-    of the op at the floor (its operands and results, resident storages excluded); ``held_bytes``: the
-    parameter gradients, output and loss already created by then and not operands of that op.
+    of the op at the floor (its operands and results, resident storages excluded, and its kernel's
+    scratch, also given alone as ``scratch_bytes``); ``held_bytes``: the parameter gradients, output and
+    loss already created by then and not operands of that op.
     """
 
     bytes: int
@@ -52,20 +58,23 @@ class Floor:
     held_bytes: int
     op: str
     backward: bool
+    scratch_bytes: int = 0
 
     def describe(self) -> str:
         phase = "backward" if self.backward else "forward"
         return (f"{self.bytes / 2**30:.3f} GiB at {self.op} ({phase}): {self.op_bytes / 2**20:.1f} MiB of operands "
-                f"and results, {self.held_bytes / 2**20:.1f} MiB of gradients/output held, "
+                f"and results ({self.scratch_bytes / 2**20:.1f} MiB of it kernel scratch), "
+                f"{self.held_bytes / 2**20:.1f} MiB of gradients/output held, "
                 f"{self.resident_bytes / 2**20:.1f} MiB resident")
 
 
 class _OpWorkingSets(TorchDispatchMode):
-    """Records, per ATen op, the storages of its operands and results (key -> bytes) and a serial per storage."""
+    """Records, per ATen op, the storages of its operands and results (key -> bytes), its kernel's scratch,
+    and the op that created each storage."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple[str, bool, dict[int, int]]] = []
+        self.ops: list[tuple[str, bool, dict[int, int], int]] = []
         self.backward = False
         self.created: dict[int, int] = {}  # storage key -> index of the op that created it (latest)
 
@@ -82,7 +91,7 @@ class _OpWorkingSets(TorchDispatchMode):
                 if s._cdata not in working:
                     self.created[s._cdata] = len(self.ops)
                 working[s._cdata] = s.nbytes()
-        self.ops.append((str(func), self.backward, working))
+        self.ops.append((str(func), self.backward, working, scratch_bytes(func, args, kwargs or {})))
         return out
 
 
@@ -122,12 +131,12 @@ def physical_floor(model: torch.nn.Module, example_inputs: Sequence[Any], *,
         del out, loss, held
     base = sum(resident.values())
     best: Floor | None = None
-    for i, (name, backward, working) in enumerate(rec.ops):
-        op_bytes = sum(b for k, b in working.items() if k not in resident)
+    for i, (name, backward, working, scratch) in enumerate(rec.ops):
+        op_bytes = sum(b for k, b in working.items() if k not in resident) + scratch
         held_bytes = sum(b for k, (b, j) in held_since.items() if j < i and k not in working)
         total = base + op_bytes + held_bytes
         if best is None or total > best.bytes:
-            best = Floor(total, base, op_bytes, held_bytes, name, backward)
+            best = Floor(total, base, op_bytes, held_bytes, name, backward, scratch)
     if best is None:
         raise FxplanError("the step ran no op; nothing to measure")
     return best

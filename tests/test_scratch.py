@@ -102,3 +102,15 @@ def test_fake_tensors_of_a_device_the_machine_lacks_count_no_scratch(measured_af
 def test_ops_taking_a_kernels_own_state_are_never_run(op, measured_afresh, monkeypatch):
     monkeypatch.setattr(scratch, "_measure", lambda *a: pytest.fail(f"{op} was run for its scratch"))
     assert scratch.scratch_bytes(op, (torch.randn(2, 2),), {}) == 0
+
+
+def test_the_physical_floor_counts_kernel_scratch_and_stays_below_the_peaks(resnet):
+    from fxplan.floor import physical_floor
+
+    model, inputs = resnet
+    floor = physical_floor(model, inputs)
+    with scratch.not_counted():
+        bare = physical_floor(model, inputs)
+    assert floor.bytes > bare.bytes and floor.scratch_bytes > 0
+    assert floor.bytes <= measure_step(model, inputs, fake=True).peak_bytes
+    assert floor.bytes <= measure_step(fxplan.rewrite(model, None, example_inputs=inputs), inputs, fake=True).peak_bytes
