@@ -13,7 +13,9 @@ Exactness, and how it is kept:
   CPU (and device) generator state before the forward of the segment and restores it, forked, for the
   recomputation, so the global generator continues exactly as in an un-checkpointed step.
   (:mod:`fxplan.codegen` makes sure random ops keep their program order, so the draws also equal
-  those of the original model.)
+  those of the original model.) The CPU generator's state that checkpoint keeps (5,056 bytes, made
+  outside the dispatcher, where fxplan's meter cannot see it) is counted by that meter all the same
+  (:class:`MeteredRngStates`), so budgets hold on a meter that sees every allocation.
 * **Buffers** are never mutated by a recomputation (:class:`BufferGuard`). BatchNorm in training
   mode updates ``running_mean``, ``running_var`` and ``num_batches_tracked`` in its forward; re-running
   it would update them twice. During a recomputation each buffer that the segment's forward mutates
@@ -32,11 +34,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from fxplan.capture import resolve_attr
@@ -242,12 +246,15 @@ class Segment(fx.GraphModule):
             return plain(*args, **kwargs)
         slots = self.buffer_slots()
         guard = BufferGuard(slots, self._known_mutating(slots))
+        context_fn = guard.contexts
+        if _metering_host_memory(args, kwargs):
+            context_fn = functools.partial(MeteredRngStates.contexts, guard.contexts)
         out = checkpoint(
             plain,
             *args,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=guard.contexts,
+            context_fn=context_fn,
             **kwargs,
         )
         new = guard.finish()
@@ -264,3 +271,50 @@ class Segment(fx.GraphModule):
                     stacklevel=2,
                 )
         return out
+
+
+def _metering_host_memory(args: tuple, kwargs: dict) -> bool:
+    """Whether fxplan's meter (:class:`fxplan.measure.StorageTracker`) is counting this step and the segment
+    runs on the CPU, where the generator states checkpoint keeps are allocated too."""
+    from fxplan.measure import StorageTracker
+
+    if not any(isinstance(m, StorageTracker) for m in _get_current_dispatch_mode_stack()):
+        return False
+    first = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+    return first is not None and first.device.type == "cpu"
+
+
+class MeteredRngStates:
+    """A checkpoint's recomputation context that also holds, where fxplan's meter sees them, stand-ins for
+    the CPU generator states checkpoint allocates outside the dispatcher.
+
+    With ``preserve_rng_state`` checkpoint keeps ``torch.get_rng_state()`` from the forward for as long as
+    it keeps this context (both belong to its recomputation), and ``torch.random.fork_rng`` takes another
+    copy around the recomputation. Those bytes are real on the CPU (torch.profiler counts them) but no op
+    makes them, so the meter is handed stand-ins of the same size with the same lifetimes: one made with
+    the context, one while the recomputation runs. Only used while the meter runs.
+    """
+
+    def __init__(self, recompute: contextlib.AbstractContextManager) -> None:
+        self._recompute = recompute
+        self._kept = torch.empty(_host_rng_state_bytes(), dtype=torch.uint8)
+        self._forked: torch.Tensor | None = None
+
+    @classmethod
+    def contexts(cls, inner: Callable[[], tuple[Any, Any]]) -> tuple[Any, MeteredRngStates]:
+        """``context_fn`` for checkpoint: ``inner()``'s contexts, its recomputation one wrapped."""
+        forward, recompute = inner()
+        return forward, cls(recompute)
+
+    def __enter__(self) -> Any:
+        self._forked = torch.empty_like(self._kept)
+        return self._recompute.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        self._forked = None
+        return self._recompute.__exit__(*exc_info)
+
+
+@functools.cache
+def _host_rng_state_bytes() -> int:
+    return torch.get_rng_state().nbytes

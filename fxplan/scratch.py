@@ -24,11 +24,11 @@ fake tensors planned on a machine without a GPU, the meta device), calls whose t
 :data:`MAX_BYTES`, and calls made while a profiler is already running (one cannot be nested). The random
 number generators are left as they were.
 
-Not seen either: the CPU generator's state (5,056 bytes) that each recomputed segment's checkpoint keeps
-(``torch.get_rng_state`` makes it outside the dispatcher), and the scratch of a backward kernel whose incoming
-gradient has another layout than the trace gave it (the replay runs each node's backward on contiguous
-gradients; the default loss, a sum, hands the output a broadcast one): the replay misses it, the measured
-peak that decides has it (``tests/test_replay.py``).
+The replay misses the scratch of a backward kernel whose incoming gradient has another layout than the trace
+gave it (the replay runs each node's backward on contiguous gradients; the default loss, a sum, hands the
+output a broadcast one); the measured peak that decides has it (``tests/test_replay.py``). The CPU generator
+states a recomputed segment's checkpoint keeps are made outside the dispatcher; the meter counts stand-ins
+for them (:class:`fxplan.recompute.MeteredRngStates`).
 """
 
 from __future__ import annotations
