@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map
 from fxplan import peers
 from fxplan.console import Progress, filter_native_logs
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
-from fxplan.measure import measure_step, profiled_step_peak, resident_bytes
+from fxplan.measure import fresh_autocast_cache, measure_step, profiled_step_peak, resident_bytes
 from fxplan.methods import Context, Method, MethodTimeout, default_methods, real_copy
 from fxplan.timing import MIN_STEP_SECONDS, batch_for_step, fixed_threads, time_interleaved, training_step
 
@@ -145,7 +145,8 @@ def real_step_peak(module: torch.nn.Module, inputs: tuple, loss_fn, device: torc
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        loss_fn(module(*inputs)).backward()
+        with fresh_autocast_cache():
+            loss_fn(module(*inputs)).backward()
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base + resident
         module.zero_grad(set_to_none=True)

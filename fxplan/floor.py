@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
-from fxplan.measure import default_loss, existing_grads
+from fxplan.measure import default_loss, existing_grads, fresh_autocast_cache
 from fxplan.scratch import scratch_bytes
 
 
@@ -115,7 +115,7 @@ def physical_floor(model: torch.nn.Module, example_inputs: Sequence[Any], *,
         for t in [*fm.parameters(), *fm.buffers(), *existing_grads(fm), *tree_leaves(fi)]:
             if isinstance(t, torch.Tensor):
                 resident[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        with rec:
+        with fresh_autocast_cache(), rec:
             out = fm(*fi[0], **fi[1])
             loss = loss_fn(out)
             rec.backward = True

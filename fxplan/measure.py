@@ -241,6 +241,19 @@ def existing_grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
+@contextlib.contextmanager
+def fresh_autocast_cache() -> Iterator[None]:
+    """Run one training step as a training loop runs it under ``torch.autocast``: with the weight casts
+    autocast caches made anew, not found cached by an earlier step in the same autocast region (a loop
+    enters the region once per step; fxplan runs many steps inside the user's one), and not left cached
+    after it. Outside autocast the cache is empty and this does nothing."""
+    torch.clear_autocast_cache()
+    try:
+        yield
+    finally:
+        torch.clear_autocast_cache()
+
+
 def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> StepStats:
     tracker = StorageTracker()
     if timeline:
@@ -255,7 +268,7 @@ def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> Step
         if isinstance(t, torch.Tensor):
             tracker.register(t, "inputs")
     start = time.perf_counter()
-    with tracker:
+    with fresh_autocast_cache(), tracker:
         tracker.phase = "activations"
         out = model(*inputs[0], **inputs[1])
         loss = loss_fn(out)
@@ -284,9 +297,10 @@ def _measure_cuda(model, inputs, loss_fn, device: torch.device) -> StepStats:
     base = torch.cuda.memory_allocated(device)
     resident = resident_bytes(model, inputs)
     start = time.perf_counter()
-    out = model(*inputs[0], **inputs[1])
-    loss = loss_fn(out)
-    loss.backward()
+    with fresh_autocast_cache():
+        out = model(*inputs[0], **inputs[1])
+        loss = loss_fn(out)
+        loss.backward()
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     del loss, out
@@ -341,8 +355,8 @@ def profiled_step_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[A
     from torch.profiler._memory_profiler import Action
 
     call = as_call(inputs)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
+    with fresh_autocast_cache(), profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                         record_shapes=True, with_stack=True) as prof:
         out = model(*call.args, **call.kwargs)
         loss = loss_fn(out)
         loss.backward()  # with ``out`` referenced, as in a training loop

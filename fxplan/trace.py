@@ -55,6 +55,7 @@ from fxplan.costgraph import CostGraph
 from fxplan.effects import mutated_position, ordering_edges
 from fxplan.errors import FxplanError, TraceError
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.measure import fresh_autocast_cache
 from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
 from fxplan.timecost import T_SECONDS, TIME_MODELS, device_speed, measure_seconds
 
@@ -101,14 +102,16 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     call = as_call(example_inputs)
     captured = captured or capture(model, call)
     try:
-        propagator = _propagate(model, captured, call)
+        with fresh_autocast_cache():
+            propagator = _propagate(model, captured, call)
     except TraceError as error:
         if captured.method != "symbolic_trace":
             raise
         # symbolic_trace can give a graph that does not run (a shape frozen into an assertion): try export.
         logger.info("fxplan: the symbolic_trace graph does not run (%s); capturing with torch.export", error)
         captured = export_after(model, call, error)
-        propagator = _propagate(model, captured, call)
+        with fresh_autocast_cache():
+            propagator = _propagate(model, captured, call)
     gm = captured.gm
     for node in gm.graph.nodes:
         if node.name in propagator.records:

@@ -244,3 +244,21 @@ def test_budget_arguments_are_checked(resnet, batch):
             fxplan.rewrite(resnet, example_inputs=batch, **kwargs)
     for nbytes in (1, 12345, 2_805_011_123, 3 * GiB + 7):  # GiB printed from bytes come back as those bytes
         assert budget_to_bytes(nbytes / GiB) == nbytes
+
+
+def test_a_budget_planned_under_autocast_holds_on_the_real_autocast_step():
+    """Autocast caches the casts of the weights for its whole region; a loop enters it once per step, fxplan's
+    search runs many steps inside the caller's one. Measured with the casts cached by an earlier step, a plan
+    that recomputes nothing measured 30% below the real step's peak and was returned for a budget it missed."""
+    from fxplan.measure import measure_step_profiler
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None).train()
+    x = (torch.randn(4, 3, 64, 64),)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        vanilla = measure_step(model, x, fake=True).peak_bytes
+        smallest = fxplan.rewrite(model, None, example_inputs=x).fxplan_measured_peak_bytes
+        assert measure_step(model, x, fake=True).peak_bytes == vanilla  # no step leaves casts behind
+        budget = (smallest + vanilla) // 2
+        optimized = fxplan.rewrite(model, budget_bytes=budget, example_inputs=x)
+        assert measure_step_profiler(optimized, x).peak_bytes <= budget
