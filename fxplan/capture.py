@@ -411,7 +411,7 @@ class _UnsupportedOutput(Exception):
 
 
 @contextlib.contextmanager
-def _masks_as_in_eager() -> Iterator[None]:
+def _masks_as_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Iterator[None]:
     """Hugging Face's attention-mask helpers as they run in eager mode, while exporting.
 
     Eager, ``transformers.masking_utils`` skips a causal mask that its shapes alone make redundant, and the
@@ -421,23 +421,45 @@ def _masks_as_in_eager() -> Iterator[None]:
     order, which differ in the last bits on some CPUs (an AMD EPYC here; not on the Intel Xeon of earlier
     runs). The skip stays off wherever a padding mask is given (its values are not known while tracing:
     ``is_tracing`` sees to that), so the decision depends only on shapes, on which the graph specialises
-    anyway. Nothing changes if transformers is not loaded.
+    anyway.
+
+    The same holds for the search for packed sequences (several sequences in one row, told apart by
+    ``position_ids`` that restart): eager, it finds none when the positions run on, and skips the mask; under
+    export it cannot look at the values and always builds the mask. Where the caller gives no
+    ``position_ids``, the model makes them itself as a running count (so it does, for instance, with gradient
+    checkpointing on, which turns its cache off), so the search is skipped as eager skips it; positions the
+    caller gives keep the search and its mask, right for any values. Nothing changes if transformers is not
+    loaded.
     """
     masking = sys.modules.get("transformers.masking_utils")
     held = getattr(masking, "is_torchdynamo_exporting", None)
     if held is None:
         yield
         return
+    held_search = getattr(masking, "find_packed_sequence_indices", None)
     masking.is_torchdynamo_exporting = lambda: False
+    if held_search is not None and not _gives_position_ids(model, args, kwargs):
+        masking.find_packed_sequence_indices = lambda position_ids: None
     try:
         yield
     finally:
         masking.is_torchdynamo_exporting = held
+        if held_search is not None:
+            masking.find_packed_sequence_indices = held_search
+
+
+def _gives_position_ids(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether the call hands the model ``position_ids`` (by name, or in that parameter's place)."""
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return True  # a call its signature does not describe: assume it may
+    return bound.get("position_ids") is not None
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     try:
-        with _masks_as_in_eager():
+        with _masks_as_in_eager(model, args, kwargs):
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "not capturable"
         message = str(exc)
