@@ -72,6 +72,8 @@ RANDOM_FUNCTIONS = frozenset(
         torch.randint_like, torch.randperm, torch.normal, torch.poisson, torch.multinomial,
         torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
         torch.dropout_, torch.alpha_dropout_, torch.feature_dropout_, F.rrelu_,
+        F.fractional_max_pool2d, F.fractional_max_pool3d, F.fractional_max_pool2d_with_indices,
+        F.fractional_max_pool3d_with_indices,
     }
 )
 RANDOM_METHODS = frozenset(
@@ -80,7 +82,7 @@ RANDOM_METHODS = frozenset(
         "geometric_", "cauchy_", "log_normal_", "multinomial",
     }
 )
-RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU)
+RANDOM_MODULES = (nn.modules.dropout._DropoutNd, nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)
 
 
 def is_compute(node: fx.Node) -> bool:
@@ -279,6 +281,49 @@ def is_random(node: fx.Node, gm: torch.nn.Module) -> bool:
             return True  # a region (e.g. under no_grad) whose inside is not inspected: keep it in order
         return node.target in RANDOM_FUNCTIONS
     return False
+
+
+def may_draw_random(node: fx.Node, gm: torch.nn.Module) -> bool:
+    """False only where running ``node`` certainly draws no random numbers: what a recomputed segment needs
+    to know to skip saving and restoring the generators (:class:`fxplan.recompute.Segment`).
+
+    Certain are: ATen ops without the ``nondeterministic_seeded`` tag; functions of ``torch`` and
+    ``torch.nn.functional``, Python's operators and builtins, tensor methods, and ``torch.nn`` modules, where
+    :func:`is_random` does not name them (torch functions by their ATen ops' tags where they have one).
+    Anything else (a user's function or module left whole by the tracer, a region not inspected) may.
+    """
+    if node.op in ("placeholder", "output", "get_attr"):
+        return False
+    if node.op == "call_module":
+        mod = _module(gm, str(node.target))
+        return mod is None or any(_module_may_draw(m) for m in mod.modules())
+    if is_random(node, gm):
+        return True
+    if node.op == "call_method":
+        return False
+    target = node.target
+    if target is torch._assert:
+        return False
+    if isinstance(target, torch._ops.OpOverload):
+        return False  # is_random read its tags
+    module = getattr(target, "__module__", None) or ""
+    if module in ("_operator", "operator", "builtins", "math", "torch.nn.functional"):
+        return False
+    if module == "torch" or module.startswith("torch."):
+        packet = getattr(torch.ops.aten, getattr(target, "__name__", ""), None)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            return any(torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+    return True
+
+
+def _module_may_draw(mod: nn.Module) -> bool:
+    """One module's own forward (not its children's) may draw: a user's, a random ``torch.nn`` one (a dropout
+    of probability 0 draws nothing), or one with a non-zero ``dropout`` attribute."""
+    if isinstance(mod, nn.modules.dropout._DropoutNd):
+        return mod.p > 0
+    p = getattr(mod, "dropout", 0.0)
+    return (isinstance(mod, RANDOM_MODULES) or not type(mod).__module__.startswith("torch.nn.")
+            or (isinstance(p, float) and p > 0.0))
 
 
 def alias_roots(graph: fx.Graph, gm: torch.nn.Module) -> dict[fx.Node, fx.Node]:

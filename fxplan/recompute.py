@@ -11,7 +11,9 @@ Exactness, and how it is kept:
 
 * **Random ops** draw the same numbers in the forward and in the recomputation: checkpoint saves the
   CPU (and device) generator state before the forward of the segment and restores it, forked, for the
-  recomputation, so the global generator continues exactly as in an un-checkpointed step.
+  recomputation, so the global generator continues exactly as in an un-checkpointed step. A segment
+  whose ops certainly draw nothing (:func:`fxplan.effects.may_draw_random`: no dropout of non-zero
+  probability, no user code the tracer left whole) skips this.
   (:mod:`fxplan.codegen` makes sure random ops keep their program order, so the draws also equal
   those of the original model.) The CPU generator's state that checkpoint keeps (5,056 bytes, made
   outside the dispatcher, where fxplan's meter cannot see it) is counted by that meter all the same
@@ -43,6 +45,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from fxplan import effects, scratch
 from fxplan.capture import resolve_attr
 
 #: Modules whose training-mode forward is known to update their own buffers.
@@ -232,6 +235,16 @@ class Segment(fx.GraphModule):
                 known.add(key)
         return known
 
+    def may_draw_random(self) -> bool:
+        """Whether this segment's forward (its sub-segments' included) may draw random numbers, so that its
+        recomputation must start from the generators' state of the forward (:func:`fxplan.effects.may_draw_random`;
+        asked at every call: a dropout's probability can change)."""
+        owner = self.__dict__["_fxplan_owner"]
+        children = self.fxplan_children
+        return any(child.may_draw_random() for child in children.values()) or any(
+            effects.may_draw_random(n, owner) for n in self.graph.nodes
+            if not (n.op == "call_module" and str(n.target) in children))
+
     def _all_nodes(self) -> Iterator[fx.Node]:
         """The nodes this segment runs: its own and, for a nested plan, its sub-segments'."""
         yield from self.graph.nodes
@@ -247,13 +260,14 @@ class Segment(fx.GraphModule):
         slots = self.buffer_slots()
         guard = BufferGuard(slots, self._known_mutating(slots))
         context_fn = guard.contexts
-        if _metering_host_memory(args, kwargs):
+        random = self.may_draw_random()
+        if random and _metering_host_memory(args, kwargs):
             context_fn = functools.partial(MeteredRngStates.contexts, guard.contexts)
         out = checkpoint(
             plain,
             *args,
             use_reentrant=False,
-            preserve_rng_state=True,
+            preserve_rng_state=random,
             context_fn=context_fn,
             **kwargs,
         )
@@ -278,7 +292,7 @@ def _metering_host_memory(args: tuple, kwargs: dict) -> bool:
     runs on the CPU, where the generator states checkpoint keeps are allocated too."""
     from fxplan.measure import StorageTracker
 
-    if not any(isinstance(m, StorageTracker) for m in _get_current_dispatch_mode_stack()):
+    if not scratch.counted() or not any(isinstance(m, StorageTracker) for m in _get_current_dispatch_mode_stack()):
         return False
     first = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
     return first is not None and first.device.type == "cpu"
@@ -297,7 +311,7 @@ class MeteredRngStates:
 
     def __init__(self, recompute: contextlib.AbstractContextManager) -> None:
         self._recompute = recompute
-        self._kept = torch.empty(_host_rng_state_bytes(), dtype=torch.uint8)
+        self._kept = torch.empty(host_rng_state_bytes(), dtype=torch.uint8)
         self._forked: torch.Tensor | None = None
 
     @classmethod
@@ -316,5 +330,6 @@ class MeteredRngStates:
 
 
 @functools.cache
-def _host_rng_state_bytes() -> int:
+def host_rng_state_bytes() -> int:
+    """Bytes of the CPU generator's state (``torch.get_rng_state()``), which checkpoint keeps per segment."""
     return torch.get_rng_state().nbytes

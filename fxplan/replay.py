@@ -48,10 +48,11 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fxplan import effects, subplans
+from fxplan import effects, scratch, subplans
 from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
 from fxplan.measure import default_loss, resident_bytes, track_memory
+from fxplan.recompute import host_rng_state_bytes
 from fxplan.subplans import Block
 
 
@@ -110,6 +111,9 @@ class StepModel:
     (``cg.graph["gradients"]``). ``random_inplace``: the in-place nodes that draw random numbers.
     ``loss_held`` and ``loss_peak``: :class:`LossCost`'s ``held`` and ``peak``; ``facts``: the graph's
     :class:`GraphFacts` (made once here: a search replays hundreds of plans of one graph).
+    ``rng_state_bytes``: the CPU generator state each checkpoint keeps, as the meter counts it (a model on
+    the CPU; 0 elsewhere: it lives in host memory, which a device's meter does not count), where a block
+    holds one of ``random_nodes`` (:func:`fxplan.effects.may_draw_random`; other blocks keep no state).
     """
 
     resident: int
@@ -125,6 +129,8 @@ class StepModel:
     loss_held: int = 0
     loss_peak: int = 0
     facts: GraphFacts | None = field(default=None, compare=False, repr=False)
+    rng_state_bytes: int = 0
+    random_nodes: frozenset[str] = frozenset()
 
 
 def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -164,8 +170,13 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     grads_exist = any(p.grad is not None for p in model.parameters())
     call = as_call(example_inputs)
     resident = resident_bytes(model, (call.args, call.kwargs))
+    first = next((t for t in [*tree_leaves((call.args, call.kwargs)), *model.parameters()]
+                  if isinstance(t, torch.Tensor)), None)
+    rng_state = host_rng_state_bytes() if first is not None and first.device.type == "cpu" and scratch.counted() else 0
+    random_nodes = frozenset(n.name for n in gm.graph.nodes if n.name in cg and effects.may_draw_random(n, gm))
     return StepModel(resident, grads_exist, param_grads, outputs, loss.output_grad, views, inplace, grad_inputs,
-                     passes, frozenset(random_inplace), loss.held, loss.peak, graph_facts(cg))
+                     passes, frozenset(random_inplace), loss.held, loss.peak, graph_facts(cg), rng_state,
+                     random_nodes)
 
 
 @dataclass(frozen=True)
@@ -383,6 +394,8 @@ class _Replayer:
                 self.inputs[id(b)] = sorted({self.sid[u] for v in names for u in self.preds[v] if u not in inside})
                 for sid in self.inputs[id(b)]:
                     self.hold(sid, ("ckpt", id(b)))
+                if self._keeps_rng_state(names):  # the generator state checkpoint keeps with them
+                    self.inputs[id(b)].append(self.new(self.sm.rng_state_bytes, ("ckpt", id(b))))
                 self._run(names, frees, tag, run, None, saving=False, outputs=outputs)
             elif b.sub is not None:
                 self.forward_blocks(b.sub, frees, tag, run, unrun)
@@ -432,6 +445,9 @@ class _Replayer:
             for j in range(len(b.sub) - 1, -1, -1):
                 self.backward_block(b.sub, j, in_recompute or checkpointed)
         self._release_inputs(b)
+
+    def _keeps_rng_state(self, names: list[str]) -> bool:
+        return bool(self.sm.rng_state_bytes) and not self.sm.random_nodes.isdisjoint(names)
 
     def _release_inputs(self, b: Block) -> None:
         for sid in self.inputs.pop(id(b), ()):
@@ -504,7 +520,12 @@ class _Replayer:
         unrun = None
         if saving and not (self.facts.saves_output[run[-1]] or self.facts.saved[run[-1]]):
             unrun = run[-1]
+        keeps = self._keeps_rng_state(names)
+        if keeps:  # fork_rng's copy of the state while the block recomputes
+            forked = self.new(self.sm.rng_state_bytes, ("fork", id(b)))
         self.forward_blocks([b] if b.sub is None else b.sub, self._frees(run), ("rval",), set(run), unrun)
+        if keeps:
+            self.release(forked, ("fork", id(b)))
 
 
 #: Ops whose backward hands the incoming gradient (or slices of it) to an input of the same size or

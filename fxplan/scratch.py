@@ -80,12 +80,18 @@ def scratch_bytes(func: Any, args: tuple, kwargs: dict) -> int:
 
 @contextlib.contextmanager
 def not_counted() -> Iterator[None]:
-    """Meters inside the block count no kernel scratch: what the storages alone hold."""
+    """Meters inside the block count what ops' storages alone hold: no kernel scratch, and not the generator
+    states checkpoint keeps either (:class:`fxplan.recompute.MeteredRngStates`); the replay likewise."""
     held, _ENABLED[0] = _ENABLED[0], False
     try:
         yield
     finally:
         _ENABLED[0] = held
+
+
+def counted() -> bool:
+    """False inside :func:`not_counted`."""
+    return _ENABLED[0]
 
 
 #: Arguments that carry a kernel's own state from an earlier call (an RNN's workspace or reserve, its packed

@@ -111,12 +111,20 @@ def test_the_physical_floor_counts_kernel_scratch_and_stays_below_the_peaks(resn
     assert floor.bytes <= measure_step(fxplan.rewrite(model, None, example_inputs=inputs), inputs, fake=True).peak_bytes
 
 
-def test_the_generator_states_checkpoint_keeps_are_metered():
-    """Tiny activations, so the 5,056-byte CPU generator state each recomputed segment keeps (and the copy
-    fork_rng takes while it recomputes) is most of the peak: both meters must see the same bytes."""
+def test_the_generator_states_checkpoint_keeps_are_metered_and_replayed():
+    """Small activations, so the 5,056-byte CPU generator state each recomputed segment with a dropout keeps
+    (and the copy fork_rng takes while it recomputes) weighs: both meters and the replay see the same bytes;
+    segments that draw no random numbers keep none."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[m for _ in range(12) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh())])
+    model = torch.nn.Sequential(*[m for _ in range(12) for m in (torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                                                   torch.nn.Dropout(0.1))])
     inputs = (torch.randn(64, 32),)
     optimized = fxplan.rewrite(model, None, example_inputs=inputs)
-    assert any(s.fxplan_recompute for s in optimized.segment_modules())
-    assert measure_step_profiler(optimized, inputs).peak_bytes == measure_step(optimized, inputs, fake=True).peak_bytes
+    recomputed = [s for s in optimized.segment_modules() if s.fxplan_recompute]
+    assert recomputed and all(s.may_draw_random() for s in recomputed)
+    peak = measure_step(optimized, inputs, fake=True).peak_bytes
+    assert measure_step_profiler(optimized, inputs).peak_bytes == peak
+    assert abs(optimized.fxplan_plan.predicted_peak_bytes - peak) <= 16
+    for m in model[2::3]:
+        m.p = 0.0
+    assert not any(s.may_draw_random() for s in recomputed)
