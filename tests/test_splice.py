@@ -122,5 +122,5 @@ def test_graphs_with_regions_are_made_only_where_they_could_win():
     chosen = searches.choose(vanilla, "time")  # met without recomputation: nothing beats it
     assert chosen.variant is searches.plain and chosen.candidate.recompute == 0
     assert searches.variants == [searches.plain] and searches.steps == 1
-    order = [c.recompute for c in searches.plain.search.by_recompute()]
-    assert order == sorted(order) and len(order) > 2
+    order = [c.recompute for c in searches.plain.search.by_recompute()]  # non-decreasing, to the last bit or so
+    assert all(b >= a * (1 - 1e-12) for a, b in zip(order, order[1:])) and len(order) > 2
