@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map
 from fxplan import peers
 from fxplan.console import Progress, filter_native_logs
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
-from fxplan.measure import fresh_autocast_cache, measure_step, profiled_step_peak, resident_bytes
+from fxplan.measure import cuda_step_stats, measure_step, profiled_step_peak
 from fxplan.methods import Context, Method, MethodTimeout, default_methods, real_copy
 from fxplan.timing import MIN_STEP_SECONDS, batch_for_step, fixed_threads, time_interleaved, training_step
 
@@ -135,20 +135,14 @@ def count_flops(module: torch.nn.Module, fake_inputs: tuple, loss_fn) -> tuple[i
 def real_step_peak(module: torch.nn.Module, inputs: tuple, loss_fn, device: torch.device) -> tuple[int, str]:
     """Peak bytes of one real step of ``module`` (run in place), and the meter's name.
 
-    CPU: ``torch.profiler`` allocation events (sees compiled code), with the tensors that exist before
-    the step counted as resident; the profiler's native log lines are kept off stderr. CUDA: the
-    caching allocator's ``max_memory_allocated``.
+    The step of :func:`fxplan.measure_step`: the output held while backward runs. CPU: ``torch.profiler``
+    allocation events (sees compiled code), with the tensors that exist before the step counted as resident;
+    the profiler's native log lines are kept off stderr. CUDA: the caching allocator's
+    ``max_memory_allocated`` (:func:`fxplan.measure.cuda_step_stats`).
     """
     module.zero_grad(set_to_none=True)
     if device.type == "cuda":
-        resident = resident_bytes(module, inputs)
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        with fresh_autocast_cache():
-            loss_fn(module(*inputs)).backward()
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base + resident
+        peak = cuda_step_stats(module, (tuple(inputs), {}), loss_fn, device).peak_bytes
         module.zero_grad(set_to_none=True)
         return peak, "cuda allocator"
     with filter_native_logs():

@@ -204,7 +204,7 @@ def measure_step(
         return measure_fake(fake_copy(model, fake_mode), to_fake(inputs, fake_mode), fake_mode, loss_fn, timeline)
     device = _device_of(model, inputs)
     if device.type == "cuda":
-        return _measure_cuda(real_copy(model), inputs, loss_fn, device)
+        return cuda_step_stats(real_copy(model), inputs, loss_fn, device)
     return _measure_tracked(real_copy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
 
 
@@ -291,7 +291,10 @@ def _breakdown_at_peak(tracker: StorageTracker, grads: list[torch.Tensor]) -> di
     return {k: v for k, v in breakdown.items() if v}
 
 
-def _measure_cuda(model, inputs, loss_fn, device: torch.device) -> StepStats:
+def cuda_step_stats(model, inputs, loss_fn, device: torch.device) -> StepStats:
+    """One real step of ``model`` (run in place) on ``inputs`` = ``(args, kwargs)``, the output held through
+    backward as in a training loop, measured by the caching allocator's ``max_memory_allocated`` (plus what
+    existed before the step)."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
