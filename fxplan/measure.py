@@ -202,7 +202,7 @@ def measure_step(
     fake_mode = fake_mode_of(model, inputs) if fake or has_fake(model, inputs) else None
     if fake_mode is not None:
         return measure_fake(fake_copy(model, fake_mode), to_fake(inputs, fake_mode), fake_mode, loss_fn, timeline)
-    device = _device_of(model, inputs)
+    device = device_of(model, inputs)
     if device.type == "cuda":
         return cuda_step_stats(real_copy(model), inputs, loss_fn, device)
     return _measure_tracked(real_copy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
@@ -324,7 +324,8 @@ def resident_bytes(model: torch.nn.Module, inputs) -> int:
     return sum(seen.values())
 
 
-def _device_of(model: torch.nn.Module, inputs) -> torch.device:
+def device_of(model: torch.nn.Module, inputs) -> torch.device:
+    """The device of the model's first parameter, else of the first input tensor; the CPU if none."""
     for t in [*model.parameters(), *tree_leaves(inputs)]:
         if isinstance(t, torch.Tensor):
             return t.device

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from fxplan import effects, scratch, subplans
 from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
-from fxplan.measure import default_loss, resident_bytes, track_memory
+from fxplan.measure import default_loss, device_of, resident_bytes, track_memory
 from fxplan.recompute import host_rng_state_bytes
 from fxplan.subplans import Block
 
@@ -170,9 +170,8 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     grads_exist = any(p.grad is not None for p in model.parameters())
     call = as_call(example_inputs)
     resident = resident_bytes(model, (call.args, call.kwargs))
-    first = next((t for t in [*tree_leaves((call.args, call.kwargs)), *model.parameters()]
-                  if isinstance(t, torch.Tensor)), None)
-    rng_state = host_rng_state_bytes() if first is not None and first.device.type == "cpu" and scratch.counted() else 0
+    on_cpu = device_of(model, (call.args, call.kwargs)).type == "cpu"
+    rng_state = host_rng_state_bytes() if on_cpu and scratch.counted() else 0
     random_nodes = frozenset(n.name for n in gm.graph.nodes if n.name in cg and effects.may_draw_random(n, gm))
     return StepModel(resident, grads_exist, param_grads, outputs, loss.output_grad, views, inplace, grad_inputs,
                      passes, frozenset(random_inplace), loss.held, loss.peak, graph_facts(cg), rng_state,
