@@ -206,6 +206,7 @@ def test_cheapen_undoes_the_moves_that_do_not_matter_for_the_peak(monkeypatch):
         return (100 if blocks[0].sub is not None and blocks[0].names == names[:3] else 120), None
 
     monkeypatch.setattr(search, "measure", measure)
+    monkeypatch.setattr(nested, "sub_plans", lambda cg, names: [])  # undo moves only: see the test below
     start = nested.NestedResult(split, 100, None, nested.recompute_fraction(cg, split))
     got = search.cheapen(start, None)
     assert got.measured == 100 and got.recompute_fraction < start.recompute_fraction
@@ -215,6 +216,39 @@ def test_cheapen_undoes_the_moves_that_do_not_matter_for_the_peak(monkeypatch):
     calls.clear()
     search.cheapen(start, None)
     assert len(calls) == 1
+
+
+def test_cheapen_hands_nodes_to_the_last_block_and_swaps_sub_plans(monkeypatch):
+    """Cheapening also moves a checkpointed block's trailing nodes into its level's last block (not recomputed)
+    and gives a split block a cheaper sub-plan of its segment. With a stub meter whose peak is 100 while n1
+    is checkpointed alone at the second level and 120 otherwise, the descent ends at the cheapest tree that
+    keeps that: [[n0] [n1 n2]] then one block of the rest, with each move's recomputation strictly lower."""
+    from fxplan import nested
+    from fxplan.costgraph import CostGraph
+
+    cg = CostGraph()
+    names = [f"n{i}" for i in range(8)]
+    for v in names:
+        cg.add_node(v, T=1.0)
+    cg.add_edges_from(zip(names, names[1:]))
+    B = subplans.Block
+    start_tree = [B(names[:3], [B(names[:2]), B(names[2:3])]), B(names[3:6]), B(names[6:])]
+    # n0's split alone keeps the peak; the segment's sub-plans offer it
+    monkeypatch.setattr(nested, "sub_plans", lambda cg, seg: [[seg[:1], seg[1:]]] if seg == names[:3] else [])
+    search = nested.NestedSearch(cg, None, 10)
+
+    def measure(blocks, replayed=None):
+        first = blocks[0]
+        ok = first.sub is not None and first.sub[0].names == names[:1] and len(blocks) > 1
+        return (100 if ok else 120), None
+
+    monkeypatch.setattr(search, "measure", measure)
+    start = nested.NestedResult(start_tree, 100, None, nested.recompute_fraction(cg, start_tree))
+    got = search.cheapen(start, None)
+    assert got.measured == 100
+    assert [b.names for b in got.blocks] == [names[:3], names[3:]]
+    assert [b.names for b in got.blocks[0].sub] == [names[:1], names[1:3]]
+    assert got.recompute_fraction == nested.recompute_fraction(cg, got.blocks) < start.recompute_fraction
 
 
 def test_the_search_takes_a_move_that_gains_less_than_min_gain_on_the_way_to_one_that_does(monkeypatch):
