@@ -359,6 +359,13 @@ class NestedSearch:
             self._sub_plans[key] = sub_plans(self.cg, names)
         return self._sub_plans[key]
 
+    def correct(self, blocks_repr: str, measured: int) -> None:
+        """Record the measured peak of the tree whose ``repr`` is ``blocks_repr``, taken before from its replay
+        (a search that trusts the replay): :meth:`cheapest` then judges it by what it measured."""
+        for m in self.measured:
+            if repr(m.blocks) == blocks_repr:
+                m.measured = measured
+
     def cheapest(self, limit: int) -> tuple[NestedResult, Plan] | None:
         """The measured nested plan of least recomputation whose peak is at most ``limit`` (ties: the lower
         peak), and the plan its search started from; None if none fits."""

@@ -357,6 +357,30 @@ def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypa
     assert (_shape(low.plan), low.measured) == (_shape(honest.plan), honest.measured)
 
 
+def test_a_cheaper_nested_plan_that_misses_its_replay_is_set_aside_and_the_replay_still_trusted():
+    """A nested plan chosen by its replay for the smallest peak that measures above it is dropped for the next
+    cheapest; the lowest plan, measured, still stands, so the search does not start again measuring. Made here by
+    recording a plan that does not fit as if its replay had said it does."""
+    from fxplan.search import NEGLIGIBLE, Search
+    from fxplan.trace import trace
+
+    model = Chain(convs=5)
+    x = (torch.randn(16, 3, 32, 32),)
+    search = Search(model=model, example_inputs=x, cg=trace(model, x), solver="approx")
+    low = search.lowest()
+    limit = int(low.measured * (1 + NEGLIGIBLE))
+    expected = search.choose(None, "time")
+    liar = min((m for m in search._nested.measured if m.measured > limit and m.code is None),
+               key=lambda m: m.recompute_fraction)
+    assert liar.recompute_fraction < expected.recompute
+    truth, liar.measured = liar.measured, low.measured  # "replayed" to fit; measured again below
+    steps = search.meter.steps
+    chosen = search.choose(None, "time")
+    assert search.trust_replay and search.meter.steps == steps + 1  # the liar measured, nothing searched again
+    assert liar.measured >= truth
+    assert (_shape(chosen.plan), chosen.measured) == (_shape(expected.plan), expected.measured)
+
+
 @pytest.mark.parametrize("name", sorted(AWKWARD))
 def test_floor_is_below_every_plan(name):
     """No plan, flat or nested, measures below the physical floor; vanilla is at or above it."""
