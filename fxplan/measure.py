@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 from fxplan.fakes import fake_copy, fake_mode_of, has_fake, to_fake
-from fxplan.scratch import scratch_bytes
+from fxplan.scratch import call_figures, storage_bytes
 
 GiB = 1024**3
 MiB = 1024**2
@@ -71,11 +71,12 @@ class StorageTracker(TorchDispatchMode):
         """Keep (op name, live bytes) after every op, for memory-timeline plots."""
         self.timeline = []
 
-    def _add(self, storage: torch.UntypedStorage, category: str) -> None:
+    def _add(self, storage: torch.UntypedStorage, category: str, nbytes: int | None = None) -> None:
+        """Count ``storage`` (``nbytes``: the real kernel's size where a fake one differs, :mod:`fxplan.scratch`)."""
         key = storage._cdata
         if key in self._live:
             return
-        nbytes = storage.nbytes()
+        nbytes = storage.nbytes() if nbytes is None else nbytes
         serial = next(self._serials)
         self._live[key] = (nbytes, category, serial)
         self._by_category[category] = self._by_category.get(category, 0) + nbytes
@@ -107,10 +108,11 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._add(leaf.untyped_storage(), self.phase)
-        self._note_peak(scratch_bytes(func, args, kwargs))  # the kernel held it beside its outputs
+        figures = call_figures(func, args, kwargs)
+        for i, leaf in enumerate(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+            storage = leaf.untyped_storage()
+            self._add(storage, self.phase, storage_bytes(figures, i, storage))
+        self._note_peak(figures.scratch)  # the kernel held it beside its outputs
         if self.timeline is not None:
             self.timeline.append((str(func.overloadpacket.__name__), self.current_bytes))
         return out

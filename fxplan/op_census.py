@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from fxplan.effects import written_arguments
-from fxplan.scratch import scratch_bytes
+from fxplan.scratch import Figures, call_figures, storage_bytes
 from fxplan.timecost import op_kind, op_traffic
 
 
@@ -62,13 +62,15 @@ class NewStorages(TorchDispatchMode):
         kwargs = kwargs or {}
         self._note_old(tensors((args, kwargs)))
         out = func(*args, **kwargs)
-        self._note_new(tensors(out))
-        self._note_scratch(func, args, kwargs)
+        self._note_call(func, args, kwargs, tensors(out))
         return out
 
-    def _note_scratch(self, func, args: tuple, kwargs: dict) -> None:
-        """The op's kernel held its scratch beside its outputs (:mod:`fxplan.scratch`)."""
-        self.peak_bytes = max(self.peak_bytes, self.current + scratch_bytes(func, args, kwargs))
+    def _note_call(self, func, args: tuple, kwargs: dict, outputs: list[torch.Tensor]) -> None:
+        """The op's outputs, at the real kernel's sizes, and the scratch its kernel held beside them
+        (:mod:`fxplan.scratch`)."""
+        figures = call_figures(func, args, kwargs)
+        self._note_new(outputs, figures)
+        self.peak_bytes = max(self.peak_bytes, self.current + figures.scratch)
 
     def _note_old(self, inputs: list[torch.Tensor]) -> None:
         for t in inputs:
@@ -78,13 +80,14 @@ class NewStorages(TorchDispatchMode):
                 self._old.add(key)
                 weakref.finalize(storage, self._release_old, key, storage.nbytes())
 
-    def _note_new(self, outputs: list[torch.Tensor]) -> None:
-        for t in outputs:
+    def _note_new(self, outputs: list[torch.Tensor], figures: Figures) -> None:
+        for i, t in enumerate(outputs):
             storage = t.untyped_storage()
             key = storage._cdata
             if key not in self._live and key not in self._old:
-                self._live[key] = storage.nbytes()
-                self.current += storage.nbytes()
+                nbytes = storage_bytes(figures, i, storage)
+                self._live[key] = nbytes
+                self.current += nbytes
                 self.peak_bytes = max(self.peak_bytes, self.current)
                 weakref.finalize(storage, self._release, key)
 
@@ -128,8 +131,7 @@ class NodeCensus(NewStorages):
                     self.written.append(name)
         out = _counting_flops(self, func, args, kwargs)
         outputs = tensors(out)
-        self._note_new(outputs)
-        self._note_scratch(func, args, kwargs)
+        self._note_call(func, args, kwargs, outputs)
         self.ops += 1
         moved = op_traffic(inputs, written, outputs)
         self.bytes_moved += moved

@@ -36,7 +36,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,29 +54,58 @@ logger = logging.getLogger("fxplan")
 #: it would allocate them for real.
 MAX_BYTES = 4 * 1024**3
 
-_MEASURED: dict[tuple, int] = {}
+_MEASURED: dict[tuple, Figures] = {}
 _ENABLED = [True]
 _MARK = "fxplan.kernel_scratch"
 
 
+@dataclass(frozen=True)
+class Figures:
+    """What one real run of a call showed: its kernel's scratch, and the storage bytes of its tensor outputs."""
+
+    scratch: int = 0
+    output_bytes: tuple[int, ...] = ()
+
+
+_NONE = Figures()
+
+
 def scratch_bytes(func: Any, args: tuple, kwargs: dict) -> int:
     """The most bytes ``func(*args, **kwargs)``'s kernel holds at once beyond its outputs (module docstring)."""
+    return call_figures(func, args, kwargs).scratch
+
+
+def call_figures(func: Any, args: tuple, kwargs: dict) -> Figures:
+    """The :class:`Figures` of a call. Where a fake kernel returns a placeholder for a storage its real kernel
+    fills (oneDNN's LSTM and GRU return their workspace, kept for backward, as 0 bytes under fake tensors), the
+    meters count the real size (:func:`storage_bytes`)."""
     if not _ENABLED[0] or not _measurable(func):
-        return 0
+        if _ENABLED[0] and func in _OPAQUE and func not in _WARNED:
+            _WARNED.add(func)
+            logger.warning("fxplan: %s takes a kernel's state from an earlier call, so its scratch is not measured; "
+                           "measured peaks may be below the real step's by it", func)
+        return _NONE
     key = _key(func, args, kwargs)
     if key is None or not _runnable(key):
-        return 0
+        return _NONE
     if key not in _MEASURED:
         stored = _stored(key)
         if stored is not None:
             _MEASURED[key] = stored
         elif torch.autograd.profiler._is_profiler_enabled:
             logger.debug("kernel scratch of %s not measured: a profiler is running", func)
-            return 0
+            return _NONE
         else:
-            _MEASURED[key] = _measure(func, args, kwargs)
+            _MEASURED[key] = _measure(func, args, kwargs, key)
             _store(key, _MEASURED[key])
     return _MEASURED[key]
+
+
+def storage_bytes(figures: Figures, index: int, storage: torch.UntypedStorage) -> int:
+    """The bytes to count for the ``index``-th tensor output's storage: its own, or the real kernel's where larger."""
+    if index < len(figures.output_bytes):
+        return max(figures.output_bytes[index], storage.nbytes())
+    return storage.nbytes()
 
 
 @contextlib.contextmanager
@@ -100,17 +130,38 @@ def counted() -> bool:
 #: ``_scaled_dot_product_efficient_attention_backward`` on an H100), so ops taking them are not run.
 OPAQUE_STATE = ("workspace", "reserve", "weight_buf", "dropout_state", "philox", "rng_state", "seed")
 
+def _rnn_layer_state(bound: dict[str, Any]) -> dict[str, Any]:
+    """oneDNN's LSTM/GRU layer backward with the workspace (and outputs) its forward makes from the same inputs."""
+    with torch.enable_grad():  # the forward makes its workspace only with grad on
+        output, hy, cy, workspace = torch.ops.aten.mkldnn_rnn_layer.default(*(bound[name] for name in (
+            "input", "weight1", "weight2", "weight3", "weight4", "hx_", "cx_tmp", "reverse", "batch_sizes", "mode",
+            "hidden_size", "num_layers", "has_biases", "bidirectional", "batch_first", "train")))
+    return {**bound, "output": output, "hy_": hy, "cy_": cy, "workspace": workspace}
+
+
+#: Ops taking opaque state (``OPAQUE_STATE``) that an op run first on the same (random) arguments makes: measured
+#: on that state, not on random bytes. Maps the op to what rebuilds its arguments, by schema name.
+STATE_MAKERS: dict[Any, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_state,
+}
+
 _MEASURABLE: dict[Any, bool] = {}
+_OPAQUE: set[Any] = set()  # ATen ops not measured for taking opaque state: warned of once (_WARNED)
+_WARNED: set[Any] = set()
 
 
 def _measurable(func: Any) -> bool:
     """An ATen op whose outputs are not views of its inputs and that takes no opaque state (``OPAQUE_STATE``)."""
     if func not in _MEASURABLE:
         schema = getattr(func, "_schema", None)
+        aten = isinstance(func, torch._ops.OpOverload) and func.namespace == "aten"
+        opaque = aten and func not in STATE_MAKERS and any(word in a.name for a in schema.arguments
+                                                          for word in OPAQUE_STATE)
+        if opaque:
+            _OPAQUE.add(func)
         _MEASURABLE[func] = (
-            isinstance(func, torch._ops.OpOverload) and func.namespace == "aten"
+            aten and not opaque
             and not any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-            and not any(word in a.name for a in schema.arguments for word in OPAQUE_STATE)
         )
     return _MEASURABLE[func]
 
@@ -134,7 +185,7 @@ def _runnable(key: tuple) -> bool:
 
 
 def _key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
-    """The call's key: op, a flat description of its arguments (structure included) and the thread count;
+    """The call's key: op, a flat description of its arguments (structure included), the thread count and grad mode;
     None for symbolic shapes or an argument of no known kind. Made for every op of every measured step, so
     written without pytree (its spec's repr cost 15% of a fake ResNet-50 step)."""
     described: list[Any] = []
@@ -142,7 +193,7 @@ def _key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
         _describe((args, kwargs), described)
     except (TypeError, RuntimeError):
         return None
-    return func, tuple(described), torch.get_num_threads()
+    return func, tuple(described), torch.get_num_threads(), torch.is_grad_enabled()
 
 
 _PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -181,18 +232,22 @@ def _machine(key: tuple) -> str:
     return timecost._machine_key(torch.device(min(_devices(key) or {"cpu"})))
 
 
-def _stored(key: tuple) -> int | None:
-    """The figure kept in the cache file (``kernel_scratch.json`` in the folder of
-    :data:`fxplan.timecost.CACHE_DIR_ENV`) for ``key`` on this machine, torch and thread count; None if none."""
+def _stored(key: tuple) -> Figures | None:
+    """The figures kept in the cache file (``kernel_scratch.json`` in the folder of
+    :data:`fxplan.timecost.CACHE_DIR_ENV`) for ``key`` on this machine, torch and thread count; None if none
+    (or a bare number, the scratch alone, written before output sizes were compared: measured again)."""
     global _FILE
     if _FILE is None:
         _FILE = timecost._read_cache(CACHE_NAME)
         atexit.register(_save)
-    return _FILE.get(_machine(key), {}).get(repr(key))
+    got = _FILE.get(_machine(key), {}).get(repr(key))
+    if not isinstance(got, list):
+        return None
+    return Figures(got[0], tuple(got[1]))
 
 
-def _store(key: tuple, nbytes: int) -> None:
-    _FILE.setdefault(_machine(key), {})[repr(key)] = nbytes
+def _store(key: tuple, figures: Figures) -> None:
+    _FILE.setdefault(_machine(key), {})[repr(key)] = [figures.scratch, list(figures.output_bytes)]
     _UNSAVED[0] += 1
     if _UNSAVED[0] >= 256:
         _save()
@@ -200,7 +255,7 @@ def _store(key: tuple, nbytes: int) -> None:
 
 def _save() -> None:
     """Write the figures measured here into the cache file, beside those other processes wrote."""
-    if _UNSAVED[0]:
+    if _UNSAVED[0] and _FILE is not None:
         merged = timecost._read_cache(CACHE_NAME)
         for machine, figures in _FILE.items():
             merged[machine] = {**merged.get(machine, {}), **figures}
@@ -208,27 +263,33 @@ def _save() -> None:
         _UNSAVED[0] = 0
 
 
-def _measure(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> int:
+def _measure(func: torch._ops.OpOverload, args: tuple, kwargs: dict, key: tuple) -> Figures:
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     total = sum(t.untyped_storage().nbytes() for t in tensors)
     if total > MAX_BYTES:
         logger.info("fxplan: kernel scratch of %s not measured (%d bytes of arguments); counted as none", func, total)
-        return 0
+        return _NONE
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    # grad mode as the call had it (the key holds it): oneDNN's RNN layer makes its workspace only with grad on
     with _disable_current_modes(), unset_fake_temporarily(), torch.random.fork_rng(devices=devices), \
-            torch.no_grad():
+            torch.set_grad_enabled(key[3]):
         real_args, real_kwargs = tree_map(_real_like, (args, kwargs))
         try:
+            if func in STATE_MAKERS:
+                names = [a.name for a in func._schema.arguments]
+                bound = STATE_MAKERS[func]({**dict(zip(names, real_args)), **real_kwargs})
+                real_args, real_kwargs = tuple(bound[name] for name in names), {}
             with filter_native_logs(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 with record_function(_MARK):
-                    out = func(*real_args, **real_kwargs)
-            del out
+                    real_out = func(*real_args, **real_kwargs)
+            sizes = tuple(t.untyped_storage().nbytes() for t in tree_leaves(real_out) if isinstance(t, torch.Tensor))
+            del real_out
         except Exception as exc:  # noqa: BLE001 (an op that needs values these random ones are not: no figure)
             logger.debug("kernel scratch of %s not measured: %s", func, exc)
-            return 0
-    return _scratch_in(prof)
+            return _NONE
+    return Figures(_scratch_in(prof), sizes)
 
 
 def _real_like(x: Any) -> Any:

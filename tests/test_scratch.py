@@ -82,6 +82,30 @@ def test_figures_are_kept_in_the_cache_file(measured_afresh, tmp_path, monkeypat
     assert scratch.scratch_bytes(aten.convolution.default, call, {}) == first
 
 
+def test_an_lstm_step_measures_on_fake_tensors_what_it_holds_for_real(measured_afresh):
+    """oneDNN's LSTM layer returns its workspace, kept for backward, as 0 bytes under fake tensors (1.5 MB real
+    here): the fake meter counted a third of the real step. Now outputs count at the real kernel's sizes, and the
+    backward (which takes that workspace, never run on random bytes) is measured on the workspace its forward
+    makes from the same inputs (``scratch.STATE_MAKERS``): the meters of real tensors agree to the byte, and the fake
+    one is 1,024 bytes (one bias gradient of 256 floats) below them: the backward's fake kernel returns the two bias
+    gradients on one storage, the real one on two (not corrected)."""
+
+    class Lstm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = torch.nn.LSTM(32, 64, 2, batch_first=True)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    torch.manual_seed(0)
+    model, x = Lstm().train(), (torch.randn(8, 48, 32),)
+    fake = measure_step(model, x, fake=True).peak_bytes
+    real = measure_step(model, x).peak_bytes
+    assert real == measure_step_profiler(model, x).peak_bytes
+    assert fake <= real <= fake + 1024  # before: fake 1,099,768 bytes, real 4,139,000
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="planning for a device this machine lacks")
 def test_fake_tensors_of_a_device_the_machine_lacks_count_no_scratch(measured_afresh):
     with FakeTensorMode():
@@ -92,11 +116,17 @@ def test_fake_tensors_of_a_device_the_machine_lacks_count_no_scratch(measured_af
 @pytest.mark.parametrize("op", [
     aten._scaled_dot_product_efficient_attention_backward.default,  # philox_seed/offset: segfaulted on an H100
     aten._scaled_dot_product_flash_attention_backward.default,
-    aten.mkldnn_rnn_layer_backward.default,  # workspace: segfaulted on this CPU
 ])
 def test_ops_taking_a_kernels_own_state_are_never_run(op, measured_afresh, monkeypatch):
     monkeypatch.setattr(scratch, "_measure", lambda *a: pytest.fail(f"{op} was run for its scratch"))
     assert scratch.scratch_bytes(op, (torch.randn(2, 2),), {}) == 0
+
+
+def test_an_op_whose_state_an_earlier_op_makes_runs_on_that_state_only(measured_afresh):
+    """mkldnn_rnn_layer_backward on random bytes for its workspace segfaulted on this CPU: it runs only on the
+    workspace its forward makes (``STATE_MAKERS``), and arguments that do not bind give no figure, not a crash."""
+    assert aten.mkldnn_rnn_layer_backward.default in scratch.STATE_MAKERS
+    assert scratch.scratch_bytes(aten.mkldnn_rnn_layer_backward.default, (torch.randn(2, 2),), {}) == 0
 
 
 def test_the_physical_floor_counts_kernel_scratch_and_stays_below_the_peaks(resnet):
