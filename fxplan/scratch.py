@@ -127,8 +127,10 @@ def counted() -> bool:
 #: Arguments that carry a kernel's own state from an earlier call (an RNN's workspace or reserve, its packed
 #: weights, cuDNN's dropout state, the random-number seed and offset of fused attention's dropout): random
 #: bytes there crash the kernel (segmentation faults: ``mkldnn_rnn_layer_backward`` on a CPU,
-#: ``_scaled_dot_product_efficient_attention_backward`` on an H100), so ops taking them are not run.
+#: ``_scaled_dot_product_efficient_attention_backward`` on an H100), so ops taking them are not run, except on the
+#: state an earlier op makes from the same arguments (:data:`STATE_MAKERS`).
 OPAQUE_STATE = ("workspace", "reserve", "weight_buf", "dropout_state", "philox", "rng_state", "seed")
+
 
 def _rnn_layer_state(bound: dict[str, Any]) -> dict[str, Any]:
     """oneDNN's LSTM/GRU layer backward with the workspace (and outputs) its forward makes from the same inputs."""
