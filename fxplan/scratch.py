@@ -15,10 +15,13 @@ its outputs), and keeps the result by op, arguments, device and threads, for the
 ``kernel_scratch.json`` in fxplan's cache folder (``FXPLAN_CACHE_DIR``, default ``~/.cache/fxplan``; per
 machine and torch version; delete it to measure again).
 The meters (:class:`fxplan.measure.StorageTracker`, :class:`fxplan.op_census.NewStorages`) add it to the
-live bytes while the op runs, so measured peaks, replays and budgets count it.
+live bytes while the op runs, so measured peaks, replays and budgets count it. The same run gives each output's
+real storage size, and the meters count an output at the larger of that and its fake size (:func:`call_figures`):
+a fake kernel may return a placeholder where the real one returns a buffer kept for backward.
 
 Not measured (0): ops outside the ``aten`` namespace (custom ops, collectives), ops that return views of
-their inputs, ops that take a kernel's opaque state from an earlier call (:data:`OPAQUE_STATE`), calls with
+their inputs, ops that take a kernel's opaque state from an earlier call (:data:`OPAQUE_STATE`; warned of once)
+unless an op run first makes it (:data:`STATE_MAKERS`), calls with
 symbolic shapes or arguments of unknown kinds, calls on a device this process does not have (a CUDA model's
 fake tensors planned on a machine without a GPU, the meta device), calls whose tensors together take more than
 :data:`MAX_BYTES`, and calls made while a profiler is already running (one cannot be nested). The random
