@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 from fxplan.fakes import fake_copy, fake_mode_of, has_fake, to_fake
-from fxplan.scratch import call_figures, storage_bytes
+from fxplan.scratch import call_figures, output_storages
 
 GiB = 1024**3
 MiB = 1024**2
@@ -109,9 +109,9 @@ class StorageTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         figures = call_figures(func, args, kwargs)
-        for i, leaf in enumerate(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
-            storage = leaf.untyped_storage()
-            self._add(storage, self.phase, storage_bytes(figures, i, storage))
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for storage, nbytes in output_storages(figures, outputs):
+            self._add(storage, self.phase, nbytes)
         self._note_peak(figures.scratch)  # the kernel held it beside its outputs
         if self.timeline is not None:
             self.timeline.append((str(func.overloadpacket.__name__), self.current_bytes))

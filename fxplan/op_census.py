@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from fxplan.effects import written_arguments
-from fxplan.scratch import Figures, call_figures, storage_bytes
+from fxplan.scratch import Figures, call_figures, output_storages
 from fxplan.timecost import op_kind, op_traffic
 
 
@@ -81,11 +81,9 @@ class NewStorages(TorchDispatchMode):
                 weakref.finalize(storage, self._release_old, key, storage.nbytes())
 
     def _note_new(self, outputs: list[torch.Tensor], figures: Figures) -> None:
-        for i, t in enumerate(outputs):
-            storage = t.untyped_storage()
+        for storage, nbytes in output_storages(figures, outputs):
             key = storage._cdata
             if key not in self._live and key not in self._old:
-                nbytes = storage_bytes(figures, i, storage)
                 self._live[key] = nbytes
                 self.current += nbytes
                 self.peak_bytes = max(self.peak_bytes, self.current)

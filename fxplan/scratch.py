@@ -16,8 +16,9 @@ its outputs), and keeps the result by op, arguments, device and threads, for the
 machine and torch version; delete it to measure again).
 The meters (:class:`fxplan.measure.StorageTracker`, :class:`fxplan.op_census.NewStorages`) add it to the
 live bytes while the op runs, so measured peaks, replays and budgets count it. The same run gives each output's
-real storage size, and the meters count an output at the larger of that and its fake size (:func:`call_figures`):
-a fake kernel may return a placeholder where the real one returns a buffer kept for backward.
+real storage size, and the meters count an output storage at the larger of that and its fake size
+(:func:`output_storages`): a fake kernel may return a placeholder where the real one returns a buffer kept for
+backward.
 
 Not measured (0): ops outside the ``aten`` namespace (custom ops, collectives), ops that return views of
 their inputs, ops that take a kernel's opaque state from an earlier call (:data:`OPAQUE_STATE`; warned of once)
@@ -64,7 +65,8 @@ _MARK = "fxplan.kernel_scratch"
 
 @dataclass(frozen=True)
 class Figures:
-    """What one real run of a call showed: its kernel's scratch, and the storage bytes of its tensor outputs."""
+    """What one real run of a call showed: its kernel's scratch, and the storage bytes of its tensor outputs
+    (``output_bytes``, 0 for an output on the storage of an earlier one)."""
 
     scratch: int = 0
     output_bytes: tuple[int, ...] = ()
@@ -81,7 +83,7 @@ def scratch_bytes(func: Any, args: tuple, kwargs: dict) -> int:
 def call_figures(func: Any, args: tuple, kwargs: dict) -> Figures:
     """The :class:`Figures` of a call. Where a fake kernel returns a placeholder for a storage its real kernel
     fills (oneDNN's LSTM and GRU return their workspace, kept for backward, as 0 bytes under fake tensors), the
-    meters count the real size (:func:`storage_bytes`)."""
+    meters count the real size (:func:`output_storages`)."""
     if not _ENABLED[0] or not _measurable(func):
         if _ENABLED[0] and func in _OPAQUE and func not in _WARNED:
             _WARNED.add(func)
@@ -104,11 +106,16 @@ def call_figures(func: Any, args: tuple, kwargs: dict) -> Figures:
     return _MEASURED[key]
 
 
-def storage_bytes(figures: Figures, index: int, storage: torch.UntypedStorage) -> int:
-    """The bytes to count for the ``index``-th tensor output's storage: its own, or the real kernel's where larger."""
-    if index < len(figures.output_bytes):
-        return max(figures.output_bytes[index], storage.nbytes())
-    return storage.nbytes()
+def output_storages(figures: Figures, outputs: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
+    """The storages of a call's tensor outputs (in order, once each) with the bytes to count for each: its own,
+    or, where larger, what the real kernel's outputs on it held (a fake kernel may return one storage for two
+    outputs the real one makes apart: oneDNN's LSTM backward, its two bias gradients)."""
+    counted: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    for i, t in enumerate(outputs):
+        storage = t.untyped_storage()
+        _, real = counted.get(storage._cdata, (storage, 0))
+        counted[storage._cdata] = storage, real + (figures.output_bytes[i] if i < len(figures.output_bytes) else 0)
+    return [(storage, max(real, storage.nbytes())) for storage, real in counted.values()]
 
 
 @contextlib.contextmanager
@@ -289,12 +296,16 @@ def _measure(func: torch._ops.OpOverload, args: tuple, kwargs: dict, key: tuple)
             with filter_native_logs(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 with record_function(_MARK):
                     real_out = func(*real_args, **real_kwargs)
-            sizes = tuple(t.untyped_storage().nbytes() for t in tree_leaves(real_out) if isinstance(t, torch.Tensor))
+            sizes, seen = [], set()
+            for t in (t for t in tree_leaves(real_out) if isinstance(t, torch.Tensor)):
+                storage = t.untyped_storage()
+                sizes.append(0 if storage._cdata in seen else storage.nbytes())
+                seen.add(storage._cdata)
             del real_out
         except Exception as exc:  # noqa: BLE001 (an op that needs values these random ones are not: no figure)
             logger.debug("kernel scratch of %s not measured: %s", func, exc)
             return _NONE
-    return Figures(_scratch_in(prof), sizes)
+    return Figures(_scratch_in(prof), tuple(sizes))
 
 
 def _real_like(x: Any) -> Any:
