@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from fxplan import dp, subplans
@@ -162,19 +162,25 @@ def _as_plan(cg: CostGraph, blocks: list[Block], base: Plan, before: set[str]) -
                    memory_model="measured", predicted_peak_bytes=0, measured_peak_bytes=None)
 
 
-def recompute_fraction(cg: CostGraph, blocks: list[Block], recomputed_above: int = 0) -> float:
+def recompute_fraction(cg: CostGraph, blocks: list[Block], recomputed_above: int = 0,
+                       T: Mapping[str, float] | None = None) -> float:
     """Forward cost recomputed per step ÷ one forward pass: each node counts once per checkpointed block
     (at any level) that contains it, since each such block re-runs it in its backward. At every level the
-    last block is not checkpointed by itself (:mod:`fxplan.codegen`)."""
-    total = cg.total_T() or 1.0
+    last block is not checkpointed by itself (:mod:`fxplan.codegen`). ``T``: the nodes' forward costs, read
+    once from ``cg`` by a caller that prices many trees (a plain dict is read many times faster than the graph)."""
+    T = {v: cg.nodes[v]["T"] for v in cg.nodes} if T is None else T
+    return _recomputed(blocks, recomputed_above, T) / (sum(T.values()) or 1.0)
+
+
+def _recomputed(blocks: list[Block], recomputed_above: int, T: Mapping[str, float]) -> float:
     cost = 0.0
     for i, b in enumerate(blocks):
         times = recomputed_above + (i < len(blocks) - 1)
         if b.sub is None:
-            cost += times * cg.total_T(b.names)
+            cost += times * sum(T[v] for v in b.names)
         else:
-            cost += recompute_fraction(cg, b.sub, times) * total
-    return cost / total
+            cost += _recomputed(b.sub, times, T)
+    return cost
 
 
 def sub_plans(cg: CostGraph, names: list[str]) -> list[list[list[str]]]:
@@ -321,9 +327,10 @@ class NestedSearch:
         best, left, self._seed = found, CHEAPEN, seed
         replays_left = CHEAPEN_REPLAY_WORK // max(self.cg.number_of_nodes(), 1)
         bar = self._replayed(found.blocks)
+        T = {v: self.cg.nodes[v]["T"] for v in self.cg.nodes}
         while left > 0 and replays_left > 0:
             options = sorted((rf, n, t) for n, t in enumerate(self._cheaper(best.blocks))
-                             if (rf := recompute_fraction(self.cg, t)) < best.recompute_fraction)
+                             if (rf := recompute_fraction(self.cg, t, T=T)) < best.recompute_fraction)
             for rf, _, tree in options:
                 if left <= 0 or replays_left <= 0:
                     break
