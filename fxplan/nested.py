@@ -167,7 +167,8 @@ def recompute_fraction(cg: CostGraph, blocks: list[Block], recomputed_above: int
     """Forward cost recomputed per step ÷ one forward pass: each node counts once per checkpointed block
     (at any level) that contains it, since each such block re-runs it in its backward. At every level the
     last block is not checkpointed by itself (:mod:`fxplan.codegen`). ``T``: the nodes' forward costs, read
-    once from ``cg`` by a caller that prices many trees (a plain dict is read many times faster than the graph)."""
+    once from ``cg`` by a caller that prices many trees (:class:`NestedSearch`: a plain dict is read many times
+    faster than the graph)."""
     T = {v: cg.nodes[v]["T"] for v in cg.nodes} if T is None else T
     return _recomputed(blocks, recomputed_above, T) / (sum(T.values()) or 1.0)
 
@@ -294,6 +295,11 @@ class NestedSearch:
         #: every nested plan measured, whatever its peak: the plans :meth:`cheapest` chooses from
         self.measured: list[Measured] = []
         self._seed: Plan | None = None  # the starting plan of the current improve()
+        self._T = {v: cg.nodes[v]["T"] for v in cg.nodes}  # forward costs, read by every tree priced
+
+    def _recompute(self, blocks: list[Block]) -> float:
+        """:func:`recompute_fraction` of a tree, from the costs read once."""
+        return recompute_fraction(self.cg, blocks, T=self._T)
 
     def start_group(self) -> None:
         """Give the next :meth:`improve` calls together SEEDS_MEASUREMENTS times one call's measurements (the
@@ -310,7 +316,7 @@ class NestedSearch:
         else:
             got = self.meter.measure([b.names for b in blocks], subplans.as_children(blocks))
         if got is not None and subplans.depth(blocks) > 1:
-            self.measured.append(Measured(blocks, got[0], recompute_fraction(self.cg, blocks), self._seed, got[1]))
+            self.measured.append(Measured(blocks, got[0], self._recompute(blocks), self._seed, got[1]))
         return got
 
     def cheapen(self, found: NestedResult, seed: Plan) -> NestedResult:
@@ -327,10 +333,9 @@ class NestedSearch:
         best, left, self._seed = found, CHEAPEN, seed
         replays_left = CHEAPEN_REPLAY_WORK // max(self.cg.number_of_nodes(), 1)
         bar = self._replayed(found.blocks)
-        T = {v: self.cg.nodes[v]["T"] for v in self.cg.nodes}
         while left > 0 and replays_left > 0:
             options = sorted((rf, n, t) for n, t in enumerate(self._cheaper(best.blocks))
-                             if (rf := recompute_fraction(self.cg, t, T=T)) < best.recompute_fraction)
+                             if (rf := self._recompute(t)) < best.recompute_fraction)
             for rf, _, tree in options:
                 if left <= 0 or replays_left <= 0:
                     break
@@ -401,7 +406,7 @@ class NestedSearch:
         own order, all 0, without a replay)."""
         if self.replayed is None:
             return [(0, t) for t in trees]
-        scored = [(self._replayed(t), recompute_fraction(self.cg, t), n, t) for n, t in enumerate(trees)]
+        scored = [(self._replayed(t), self._recompute(t), n, t) for n, t in enumerate(trees)]
         return [(peak, t) for peak, _, _, t in sorted(scored, key=lambda x: x[:3])]
 
     def _moves(self, blocks: list[Block], rank: dict[str, int]) -> Iterator[list[Block]]:
@@ -462,5 +467,5 @@ class NestedSearch:
             logger.debug("nested: %s peak %d bytes, %d measurements left", "replayed" if self.trusted else "measured",
                          best, self.measurements_left)
             if best <= (base_measured if kept is None else kept.measured) * (1 - MIN_GAIN):
-                kept = NestedResult(best_blocks, best, code, recompute_fraction(self.cg, best_blocks))
+                kept = NestedResult(best_blocks, best, code, self._recompute(best_blocks))
         return kept

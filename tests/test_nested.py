@@ -184,17 +184,24 @@ def test_the_nested_search_measures_at_most_its_budget_of_candidates():
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == nested.MEASUREMENTS and sizes[-1] == 0
 
 
+def _unit_chain(n: int):
+    """A cost graph of ``n`` nodes in a chain, each of forward cost 1, and its node names in order."""
+    from fxplan.costgraph import CostGraph
+
+    cg = CostGraph()
+    names = [f"n{i}" for i in range(n)]
+    for v in names:
+        cg.add_node(v, T=1.0)
+    cg.add_edges_from(zip(names, names[1:]))
+    return cg, names
+
+
 def test_cheapen_undoes_the_moves_that_do_not_matter_for_the_peak(monkeypatch):
     """With a stub meter whose peak depends only on block 0 being split, the undo pass drops the other
     split and the merge, keeps block 0's split, and measures no more than its cap."""
     from fxplan import nested
-    from fxplan.costgraph import CostGraph
 
-    cg = CostGraph()
-    names = [f"n{i}" for i in range(8)]
-    for v in names:
-        cg.add_node(v, T=1.0)
-    cg.add_edges_from(zip(names, names[1:]))
+    cg, names = _unit_chain(8)
     B = subplans.Block
     split = [B(names[:3], [B(names[:1]), B(names[1:3])]), B(names[3:6], [B(names[3:5]), B(names[5:6])]),
              B(names[6:])]
@@ -224,13 +231,8 @@ def test_cheapen_hands_nodes_to_the_last_block_and_swaps_sub_plans(monkeypatch):
     is checkpointed alone at the second level and 120 otherwise, the descent ends at the cheapest tree that
     keeps that: [[n0] [n1 n2]] then one block of the rest, with each move's recomputation strictly lower."""
     from fxplan import nested
-    from fxplan.costgraph import CostGraph
 
-    cg = CostGraph()
-    names = [f"n{i}" for i in range(8)]
-    for v in names:
-        cg.add_node(v, T=1.0)
-    cg.add_edges_from(zip(names, names[1:]))
+    cg, names = _unit_chain(8)
     B = subplans.Block
     start_tree = [B(names[:3], [B(names[:2]), B(names[2:3])]), B(names[3:6]), B(names[6:])]
     # n0's split alone keeps the peak; the segment's sub-plans offer it
