@@ -182,7 +182,7 @@ def _fxplan(strategy: str, solver: str, point: float | None = None) -> Callable[
         info: dict[str, Any] = {"budget": label, "plan_seconds": seconds}
         if plan is not None:
             info.update(predicted_peak_bytes=plan.predicted_peak_bytes, budget_bytes=plan.budget_bytes,
-                        planned_recompute_fraction=plan.recompute_fraction, solve_seconds=plan.solve_seconds,
+                        planned_recompute_fraction=plan.recomputed_fraction, solve_seconds=plan.solve_seconds,
                         segments=len(plan.segments))
             extra, forward = plan.predicted_extra_seconds, plan.predicted_forward_seconds
             if extra is not None and forward:

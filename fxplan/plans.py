@@ -49,10 +49,17 @@ class Plan:
     ``overhead``            the objective the solver minimised: Σ H over segments under ``memory_model``
                             (``"paper"``: equation (1), T(V \\ U_k); ``"autograd"``: T of every segment but
                             the last, which is not recomputed)
-    ``recompute_fraction``  forward cost the rewritten step really recomputes, ÷ one forward pass:
-                            T(V_1 ∪ … ∪ V_{k-1}) / T(V). Checkpointing re-runs whole segments and never the
-                            last one, so this differs from equation (1)'s T(V \\ U_k)/T(V), which is kept in
-                            ``paper_overhead_fraction`` for comparison with the paper
+    ``recompute_fraction``  forward cost of the checkpointed segments, ÷ one forward pass: T(V_1 ∪ … ∪ V_{k-1})
+                            / T(V), each node counted once per checkpointed segment holding it at any level of
+                            a nested plan; what the planners rank plans by. Checkpointing never re-runs the
+                            last segment, so this differs from equation (1)'s T(V \\ U_k)/T(V), which is kept
+                            in ``paper_overhead_fraction`` for comparison with the paper
+    ``early_stop_fraction`` the part of ``recompute_fraction`` that checkpoint's early stop never re-runs (set by
+                            ``fxplan.rewrite``): a recomputation ends at the last tensor its segment saves, so
+                            a segment's trailing nodes after its last saver, and that saver itself if it keeps
+                            only its inputs (a convolution), are skipped
+                            (:func:`fxplan.subplans.recomputation`). The step recomputes
+                            :attr:`recomputed_fraction`
     ``budget_bytes``        the budget the solver was given (None: none); for a plan returned by
                             ``fxplan.rewrite``, the whole-step budget the user asked for
     ``strategy``            "time", "memory", or Chen's "sqrt", "greedy", "recursive"
@@ -92,10 +99,17 @@ class Plan:
     T_seconds: float | None = None
     regions: list[str] = field(default_factory=list)
     region_recompute_fraction: float = 0.0
+    early_stop_fraction: float = 0.0
 
     @property
     def num_segments(self) -> int:
         return len(self.segments)
+
+    @property
+    def recomputed_fraction(self) -> float:
+        """Forward cost one step really recomputes, ÷ one forward pass: ``recompute_fraction`` less
+        ``early_stop_fraction``."""
+        return self.recompute_fraction - self.early_stop_fraction
 
     @property
     def predicted_extra_seconds(self) -> float | None:
@@ -103,7 +117,7 @@ class Plan:
         recomputed, nested segments included); None when the cost model is not time."""
         if self.T_seconds is None:
             return None
-        return self.recompute_fraction * self.total_T * self.T_seconds
+        return self.recomputed_fraction * self.total_T * self.T_seconds
 
     @property
     def predicted_forward_seconds(self) -> float | None:
@@ -132,7 +146,10 @@ class Plan:
         else:
             lines.append(f"  budget {budget}; predicted peak of one training step {predicted} (the planner's "
                          "memory model; fxplan.rewrite measures the real peak)")
-        recomputed = f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass"
+        recomputed = f"  recomputed in backward: {100 * self.recomputed_fraction:.1f}% of one forward pass"
+        if self.early_stop_fraction:
+            recomputed += (f" ({100 * self.recompute_fraction:.1f}% is checkpointed; checkpoint's early stop skips "
+                           f"the rest)")
         extra = self.predicted_extra_seconds
         if extra is not None:
             recomputed += (f", predicted to add {_fmt_seconds(extra)} to each training step (forward pass "

@@ -61,7 +61,7 @@ class GraphFacts:
     """What a replay reads of the cost graph, per node, kept as plain dicts (:func:`graph_facts`): data-edge
     ``preds`` and ``succs``, output bytes ``M``, the forward and backward temporaries, ``kind``, what
     autograd keeps for its backward (``keeps``: the node itself and its inputs, ``saved``: extra bytes)
-    and whether that is anything at all (``saves``), and the nodes in program order."""
+    and where checkpoint's early stop ends (``save``), and the nodes in program order."""
 
     preds: dict[str, list[str]]
     succs: dict[str, list[str]]
@@ -71,8 +71,7 @@ class GraphFacts:
     kind: dict[str, str | None]
     keeps: dict[str, list[str]]
     saved: dict[str, int]
-    saves: dict[str, bool]
-    saves_output: dict[str, bool]
+    save: subplans.SaveFacts
     program: list[str]
 
 
@@ -92,8 +91,7 @@ def graph_facts(cg: CostGraph) -> GraphFacts:
         {v: nodes[v].get("kind") for v in program},
         {v: ([v] if nodes[v].get("saves_output", False) else []) + list(nodes[v].get("saved_inputs", preds[v]))
          for v in program},
-        {v: int(nodes[v].get("saved", 0) or 0) for v in program}, {v: _saves(nodes[v]) for v in program},
-        {v: bool(nodes[v].get("saves_output")) for v in program}, program)
+        {v: int(nodes[v].get("saved", 0) or 0) for v in program}, subplans.SaveFacts.of(nodes), program)
 
 
 @dataclass(frozen=True)
@@ -500,25 +498,14 @@ class _Replayer:
                 self.release(old, ("grad", u))
 
     def recompute(self, b: Block) -> None:
-        """Re-run a checkpointed block's forward for its backward.
-
-        Like non-reentrant checkpoint with early stop, the forward runs until the last tensor the block
-        saved is saved again (for a split block, only its last leaf saves; its other sub-blocks keep their
-        inputs). Autograd saves an op's inputs before the op runs and its outputs after, so a last saver
-        that keeps only inputs does not run. Values nobody saved are freed after their last reader inside
+        """Re-run a checkpointed block's forward for its backward, as far as checkpoint's early stop lets it
+        (:func:`fxplan.subplans.recomputation`). Values nobody saved are freed after their last reader inside
         the run; a value read after it lives until the recomputation stops, as early stop abandons the
-        block's function there.
-        """
-        names = [v for leaf in subplans.leaves([b]) for v in leaf]
-        last = subplans.leaf_blocks([b])[-1]
-        saving = [v for v in last.names if self.facts.saves[v]]
-        if not saving and b.sub is None:
+        block's function there."""
+        run, unrun = subplans.recomputation(b, self.facts.save)
+        if not run:
             return
-        stop = self.pos[saving[-1]] if saving else self.pos[last.names[0]] - 1
-        run = [v for v in names if self.pos[v] <= stop]
-        unrun = None
-        if saving and not (self.facts.saves_output[run[-1]] or self.facts.saved[run[-1]]):
-            unrun = run[-1]
+        names = [v for leaf in subplans.leaves([b]) for v in leaf]
         keeps = self._keeps_rng_state(names)
         if keeps:  # fork_rng's copy of the state while the block recomputes
             forked = self.new(self.sm.rng_state_bytes, ("fork", id(b)))
@@ -531,12 +518,6 @@ class _Replayer:
 #: smaller: an add gives both operands the output's gradient, a concatenation gives each input a slice.
 PASS_THROUGH = {"add": "same", "add_": "same", "iadd": "same", "cat": "slice", "concat": "slice",
                 "concatenate": "slice", "clone": "same", "contiguous": "same"}
-
-
-def _saves(attrs: dict) -> bool:
-    """Whether the node's backward keeps any tensor: checkpoint's early stop ends at the last such node."""
-    return bool(attrs.get("saves_output") or attrs.get("saved_inputs", True) or attrs.get("saved")
-                or attrs.get("saves_resident"))
 
 
 def _roots(sm: StepModel, order: Sequence[str]) -> dict[str, str]:

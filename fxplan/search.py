@@ -64,7 +64,7 @@ from typing import Any
 
 import torch
 
-from fxplan import chen, dp
+from fxplan import chen, dp, subplans
 from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
@@ -480,6 +480,12 @@ class Search:
             min_feasible_bytes=smallest,
         )
 
+    def _early_stop(self, p: Plan) -> float:
+        """``Plan.early_stop_fraction`` of ``p``."""
+        T = {v: self.cg.nodes[v]["T"] for v in self.cg.nodes}
+        blocks = subplans.tree(p.segments, p.children)
+        return subplans.early_stop_cost(blocks, subplans.SaveFacts.of(self.cg.nodes), T) / (sum(T.values()) or 1.0)
+
     def result(self, c: Candidate, budget_bytes: int | None) -> SegmentedModule:
         """The chosen candidate's module, carrying its plan with replayed and measured peaks."""
         if c.module is None:
@@ -487,7 +493,7 @@ class Search:
         plan = replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
                        memory_model=c.plan.memory_model if c.plan.children else "replay",
                        measured_peak_bytes=c.measured, budget_bytes=budget_bytes,
-                       T_seconds=self.cg.graph.get("T_seconds"))
+                       T_seconds=self.cg.graph.get("T_seconds"), early_stop_fraction=self._early_stop(c.plan))
         c.module.fxplan_plan = plan
         c.module.fxplan_measured_peak_bytes = c.measured
         return c.module

@@ -89,3 +89,58 @@ def as_children(blocks: list[Block]) -> dict[str, dict[str, Any]]:
 def depth(blocks: list[Block]) -> int:
     """Levels of checkpoints: 1 for a flat plan."""
     return 1 + max((depth(b.sub) for b in blocks if b.sub is not None), default=0)
+
+
+@dataclass(frozen=True)
+class SaveFacts:
+    """Per node, what checkpoint's early stop reads (from the trace's node attributes: :meth:`of`): whether its
+    backward keeps any tensor (``saves``), and whether it keeps one the op itself makes (``saves_made``: its
+    output, or extra tensors such as BatchNorm's statistics), so that the op must run to save it."""
+
+    saves: Mapping[str, bool]
+    saves_made: Mapping[str, bool]
+
+    @classmethod
+    def of(cls, nodes: Mapping[str, Mapping[str, Any]]) -> SaveFacts:
+        """From node attributes; a node the trace did not classify counts as saving its inputs."""
+        return cls({v: saves_any(a) for v, a in nodes.items()},
+                   {v: bool(a.get("saves_output") or a.get("saved")) for v, a in nodes.items()})
+
+
+def saves_any(attrs: Mapping[str, Any]) -> bool:
+    """Whether a node's backward keeps any tensor: checkpoint's early stop ends at the last such node."""
+    return bool(attrs.get("saves_output") or attrs.get("saved_inputs", True) or attrs.get("saved")
+                or attrs.get("saves_resident"))
+
+
+def recomputation(b: Block, facts: SaveFacts) -> tuple[list[str], str | None]:
+    """What the recomputation of checkpointed block ``b`` runs: (the nodes, in order, up to where it stops; the
+    last of them if it stops before running it, else None).
+
+    Non-reentrant checkpoint with early stop (torch's default) re-runs the block's forward only until the last
+    tensor it saved is saved again; for a split block only its last leaf saves (its other sub-blocks keep their
+    inputs). Autograd saves an op's inputs before the op runs and its outputs after, so a last saver that keeps
+    only inputs (a convolution) does not run. A flat block that saves nothing is not recomputed at all.
+    """
+    names = [v for leaf in leaves([b]) for v in leaf]
+    last = leaf_blocks([b])[-1]
+    saving = [v for v in last.names if facts.saves[v]]
+    if not saving:
+        return ([], None) if b.sub is None else (names[:names.index(last.names[0])], None)
+    run = names[:names.index(saving[-1]) + 1]
+    return run, None if facts.saves_made[run[-1]] else run[-1]
+
+
+def early_stop_cost(blocks: list[Block], facts: SaveFacts, T: Mapping[str, float]) -> float:
+    """Forward cost that checkpointed blocks hold but never re-run: for each checkpointed block at every level
+    (the last block of each level is not checkpointed by itself: :mod:`fxplan.codegen`), its nodes that its
+    recomputation does not run (:func:`recomputation`)."""
+    cost = 0.0
+    for i, b in enumerate(blocks):
+        if i < len(blocks) - 1:
+            run, unrun = recomputation(b, facts)
+            ran = set(run) - {unrun}
+            cost += sum(T[v] for leaf in leaves([b]) for v in leaf if v not in ran)
+        if b.sub is not None:
+            cost += early_stop_cost(b.sub, facts, T)
+    return cost

@@ -13,6 +13,7 @@ import torch.fx as fx
 from models_awkward import AWKWARD, assert_same_training, random_plan
 from reach_checks import assert_rewrite_exact
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxplan import scratch, subplans
 from fxplan.codegen import segment_module
@@ -413,3 +414,72 @@ def test_floor_of_a_chain_is_its_largest_op():
     assert f.bytes == f.resident_bytes + f.op_bytes + f.held_bytes
     assert f.bytes <= measure_step(model, (x,), fake=True).peak_bytes
     assert f.op_bytes >= 4 * 50 * 400 * 2  # some op has the hidden activation and its gradient (or itself twice)
+
+
+class _ConvChain(nn.Module):
+    """Convolutions that end two blocks (they keep only their inputs) and a scalar product that keeps nothing."""
+
+    def __init__(self):
+        super().__init__()
+        for name in ("conv1", "conv2", "conv3", "conv4", "conv5"):
+            setattr(self, name, nn.Conv2d(4, 4, 3, padding=1))
+        self.bn1, self.relu1, self.relu2 = nn.BatchNorm2d(4), nn.ReLU(), nn.ReLU()
+
+    def forward(self, x):
+        x = self.conv2(self.relu1(self.bn1(self.conv1(x))))
+        x = self.conv4(self.conv3(x) * 2)
+        return self.conv5(self.relu2(x))
+
+
+class _KernelCount(TorchDispatchMode):
+    """Kernels run, by op name (``convolution``, ``relu``, ...): a recomputation that stops before an op runs
+    none of its kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_early_stop_runs_what_subplans_says(nested):
+    """The kernels a real step of the rewritten chain runs are the forward's plus what each checkpointed
+    block's recomputation runs by fxplan.subplans.recomputation: a block ending in a convolution stops
+    before it, a split block's recomputation runs its checkpointed sub-blocks; early_stop_cost is the rest."""
+    from fxplan.trace import trace
+
+    model, x = _ConvChain().train(), torch.randn(2, 4, 8, 8)
+    cg = trace(model, (x,))
+    segments = [["conv1", "bn1", "relu1", "conv2"], ["conv3", "mul", "conv4"], ["relu2", "conv5"]]
+    children = {"0": {"segments": [["conv1", "bn1"], ["relu1", "conv2"]]}} if nested else {}
+    blocks = subplans.tree(segments, children)
+    facts = subplans.SaveFacts.of(cg.nodes)
+    recomputed = dict.fromkeys(cg.nodes, 0)
+
+    def count(level):
+        for b in level[:-1]:
+            run, unrun = subplans.recomputation(b, facts)
+            for v in run:
+                recomputed[v] += v != unrun
+        for b in level:
+            if b.sub is not None:
+                count(b.sub)
+
+    count(blocks)
+    assert recomputed["conv1"] == (2 if nested else 1) and recomputed["conv2"] == recomputed["conv4"] == 0
+    assert recomputed["mul"] == 1 and recomputed["conv5"] == 0
+    kernels = {"conv": "convolution", "bn": "native_batch_norm", "relu": "relu", "mul": "mul"}
+    runs = []
+    for module in (model, segment_module(fx.symbolic_trace(model), segments, children)):
+        with _KernelCount() as counted:
+            module(x).sum().backward()
+        runs.append(counted.calls)
+    for prefix, op in kernels.items():
+        assert runs[1].get(op, 0) - runs[0].get(op, 0) == sum(n for v, n in recomputed.items() if v.startswith(prefix))
+    T = dict.fromkeys(cg.nodes, 1.0)
+    # whole blocks: every node of segments 0 and 1 once, segment 0's first sub-block once more when nested
+    assert subplans.early_stop_cost(blocks, facts, T) == 7 + 2 * nested - sum(recomputed.values())
