@@ -22,7 +22,8 @@ backward.
 
 Not measured (0): ops outside the ``aten`` namespace (custom ops, collectives), ops that return views of
 their inputs, ops that take a kernel's opaque state from an earlier call (:data:`OPAQUE_STATE`; warned of once)
-unless an op run first makes it (:data:`STATE_MAKERS`), calls with
+unless an op run first makes it (:data:`STATE_MAKERS`; a forward op whose fake kernel also returns a placeholder for
+what it keeps is refused on fake tensors: :data:`UNCOUNTABLE_ON_FAKE`), calls with
 symbolic shapes or arguments of unknown kinds, calls on a device this process does not have (a CUDA model's
 fake tensors planned on a machine without a GPU, the meta device), calls whose tensors together take more than
 :data:`MAX_BYTES`, and calls made while a profiler is already running (one cannot be nested). The random
@@ -45,12 +46,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan import timecost
 from fxplan.console import filter_native_logs
+from fxplan.errors import FxplanError
 
 logger = logging.getLogger("fxplan")
 
@@ -84,6 +86,14 @@ def call_figures(func: Any, args: tuple, kwargs: dict) -> Figures:
     """The :class:`Figures` of a call. Where a fake kernel returns a placeholder for a storage its real kernel
     fills (oneDNN's LSTM and GRU return their workspace, kept for backward, as 0 bytes under fake tensors), the
     meters count the real size (:func:`output_storages`)."""
+    if func in UNCOUNTABLE_ON_FAKE and any(isinstance(t, FakeTensor) for t in tree_leaves((args, kwargs))):
+        raise FxplanError(
+            f"fxplan cannot measure {func} on fake tensors: its fake kernel gives the buffer the real kernel keeps "
+            "for backward (the RNN's reserve) 0 bytes, and the op takes the kernel's own state, so it is not run "
+            "for the real size either; any peak measured or planned would be low by it. Plan and train with that "
+            "kernel off (for cuDNN: `with torch.backends.cudnn.flags(enabled=False):` around fxplan.rewrite and the "
+            "training steps; PyTorch's own LSTM/GRU kernels then run, and fxplan counts them), or measure on real "
+            "tensors (fxplan.measure_step(..., fake=False))")
     if not _ENABLED[0] or not _measurable(func):
         if _ENABLED[0] and func in _OPAQUE and func not in _WARNED:
             _WARNED.add(func)
@@ -156,6 +166,11 @@ def _rnn_layer_state(bound: dict[str, Any]) -> dict[str, Any]:
 STATE_MAKERS: dict[Any, Callable[[dict[str, Any]], dict[str, Any]]] = {
     torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_state,
 }
+
+#: Ops whose fake kernel returns a buffer kept for backward as a placeholder and that take opaque state
+#: (``OPAQUE_STATE``), so no real run gives its size: torch's meta kernels of cuDNN's and MIOpen's RNN make
+#: their reserve 0 bytes. A fake-tensor meter cannot count them, and refuses them (:class:`FxplanError`).
+UNCOUNTABLE_ON_FAKE = {torch.ops.aten._cudnn_rnn.default, torch.ops.aten.miopen_rnn.default}
 
 _MEASURABLE: dict[Any, bool] = {}
 _OPAQUE: set[Any] = set()  # ATen ops not measured for taking opaque state: warned of once (_WARNED)

@@ -127,6 +127,26 @@ def test_an_op_whose_state_an_earlier_op_makes_runs_on_that_state_only(measured_
     assert scratch.scratch_bytes(aten.mkldnn_rnn_layer_backward.default, (torch.randn(2, 2),), {}) == 0
 
 
+class _CudnnLstmCall(torch.nn.Module):
+    """Calls cuDNN's RNN op as nn.LSTM does on a GPU (this machine may have none: only the fake step runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 8))
+
+    def forward(self, x):
+        h = x.new_zeros(1, 2, 16)
+        return aten._cudnn_rnn.default(x, [self.w], 1, None, h, h, 2, 16, 0, 1, False, 0.0, True, False, [], None)[0]
+
+
+def test_an_op_whose_kept_buffer_a_fake_meter_cannot_size_is_refused():
+    """cuDNN's LSTM keeps a reserve for backward that its fake kernel makes 0 bytes and that no real run can size
+    (the op takes cuDNN's own state): a fake meter refuses it, saying how to plan such a model, rather than give
+    a peak low by the reserve."""
+    with pytest.raises(fxplan.FxplanError, match="cudnn.flags"):
+        measure_step(_CudnnLstmCall(), (torch.randn(5, 2, 8),), fake=True)
+
+
 def test_the_physical_floor_counts_kernel_scratch_and_stays_below_the_peaks(resnet):
     from fxplan.floor import physical_floor
 
