@@ -10,8 +10,15 @@ import copy
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.utils._pytree import tree_leaves
+
+from fxplan.errors import FxplanError
 
 
 def has_fake(model: torch.nn.Module, inputs) -> bool:
@@ -77,3 +84,20 @@ def to_fake(inputs: Any, fake_mode: FakeTensorMode) -> Any:
         return fake_mode.from_tensor(x)
 
     return torch.utils._pytree.tree_map(convert, inputs)
+
+
+#: What fake tensors raise at an op whose output's size or value depends on its inputs' values.
+DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def data_dependent_error(exc: Exception, what: str, error: type[FxplanError] = FxplanError) -> FxplanError:
+    """The error to raise when ``what`` (a step, a graph's run) stopped at a data-dependent op (``exc``, one of
+    :data:`DATA_DEPENDENT`): fxplan measures and plans on fake tensors, which hold no values."""
+    op = getattr(exc, "func", None) or type(exc).__name__
+    return error(
+        f"{what} cannot run on fake tensors: {op} makes an output whose size or value depends on the values of "
+        "its inputs (a boolean-mask index or assignment, nonzero, .item(), ...), and fake tensors hold shapes, "
+        "not values. fxplan measures and plans on fake tensors, so it cannot plan this model as written; an op "
+        "of fixed output size in its place lets it (h[mask] = v -> torch.where(mask[..., None], v, h); a loss "
+        "over h[mask] -> one over h weighted by the mask). fxplan.measure_step(..., fake=False) measures the "
+        "step on real tensors.")

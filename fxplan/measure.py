@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
-from fxplan.fakes import fake_copy, fake_mode_of, has_fake, to_fake
+from fxplan.fakes import DATA_DEPENDENT, data_dependent_error, fake_copy, fake_mode_of, has_fake, to_fake
 from fxplan.scratch import call_figures, output_storages
 
 GiB = 1024**3
@@ -224,6 +224,8 @@ def measure_fake(model: torch.nn.Module, inputs: tuple[tuple, dict[str, Any]], f
     try:
         with fake_mode:
             return _measure_tracked(model, inputs, loss_fn or default_loss, timeline, "fake tensors")
+    except DATA_DEPENDENT as exc:
+        raise data_dependent_error(exc, f"one training step of {type(model).__name__}") from exc
     finally:
         for p, g in grads:
             p.grad = g

@@ -54,7 +54,7 @@ from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after
 from fxplan.costgraph import CostGraph
 from fxplan.effects import mutated_position, ordering_edges
 from fxplan.errors import FxplanError, TraceError
-from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.fakes import DATA_DEPENDENT, data_dependent_error, fake_copy, fake_mode_of, to_fake
 from fxplan.measure import fresh_autocast_cache
 from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
 from fxplan.timecost import T_SECONDS, TIME_MODELS, device_speed, measure_seconds
@@ -144,6 +144,9 @@ def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) ->
     try:
         with fake_mode, torch.enable_grad():
             propagator.result = propagator.run(*to_fake(values, fake_mode))
+    except DATA_DEPENDENT as exc:
+        raise data_dependent_error(exc, f"the captured graph of {type(model).__name__} (at node "
+                                        f"'{propagator.current}')", TraceError) from exc
     except Exception as exc:  # anything the model's own code raises on these inputs
         node = propagator.current
         raise TraceError(f"running the captured graph on the example inputs failed at node '{node}' "

@@ -212,3 +212,36 @@ def test_model_no_capturer_takes_names_the_construct():
         fxplan.rewrite(Gate(), None, example_inputs=(torch.randn(3),))
     message = str(info.value)
     assert "symbolic_trace" in message and "torch.export" in message and "test_reach.py" in message
+
+
+class _MaskedWrite(nn.Module):
+    """A boolean-mask assignment: its forward has a fixed size, its backward indexes by the mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.emb = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x, mask):
+        h = self.a(x)
+        h[mask] = self.emb
+        return h
+
+
+class _MaskedRead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.a(x)[mask].sum()
+
+
+@pytest.mark.parametrize("model", [_MaskedWrite(), _MaskedRead()], ids=["in backward", "in forward"])
+def test_a_data_dependent_op_is_refused_saying_what_to_change(model):
+    """Fake tensors hold no values, so an op whose output size depends on them (nonzero, behind a boolean mask)
+    cannot run in fxplan's fake steps, in the forward the trace runs or the backward the meter runs: an
+    FxplanError says so and what to write instead, not the fake-tensor exception."""
+    inputs = (torch.randn(2, 4, 8), torch.tensor([[True, False, True, False]] * 2))
+    model(*inputs).sum().backward()  # runs on real tensors
+    with pytest.raises(fxplan.FxplanError, match="torch.where"):
+        fxplan.rewrite(model, None, example_inputs=inputs)
