@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import random
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -188,20 +189,54 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
         raise TraceError(f"fxplan captures nn.Module objects, got {type(model).__name__}")
     call = as_call(example_inputs)
     _check_call(model, call)
-    try:
-        gm = symbolic_trace_module(model)
-        _check_arguments(model, gm, call)
-        return _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
-    except TraceError as fx_error:
-        logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
-        return export_after(model, call, fx_error)
+    with host_randomness_refused(model):
+        try:
+            gm = symbolic_trace_module(model)
+            _check_arguments(model, gm, call)
+            return _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
+        except TraceError as fx_error:
+            logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
+            return export_after(model, call, fx_error)
+
+
+@contextlib.contextmanager
+def host_randomness_refused(model: torch.nn.Module) -> Iterator[None]:
+    """Raise :class:`TraceError` if the block draws from numpy's or Python's global random generator (the
+    model's forward does, as it is captured): a graph holds the numbers drawn while capturing as constants and
+    would repeat them at every call, where the model draws new ones. The generators are left as they were.
+    Torch's generators are not concerned: a graph records their ops."""
+    numpy = sys.modules.get("numpy")
+    before = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    yield
+    after = random.getstate(), numpy.random.get_state() if numpy is not None else None
+    drew = [name for name, b, a in (("random", before[0], after[0]), ("numpy.random", before[1], after[1]))
+            if b is not None and not _same_state(b, a)]
+    if drew:
+        random.setstate(before[0])
+        if numpy is not None:
+            numpy.random.set_state(before[1])
+        raise TraceError(
+            f"the forward of {type(model).__name__} draws random numbers from {' and '.join(drew)}'s global "
+            "generator; a captured graph would hold the numbers drawn while capturing and repeat them at every "
+            "call, where the model draws new ones. Draw them with torch (torch.rand, torch.bernoulli, "
+            "torch.randperm), whose ops the graph records, or turn that random step off for training with fxplan")
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Equal generator states (numpy's hold an array)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape"):
+        return hasattr(b, "shape") and a.shape == b.shape and bool((a == b).all())
+    return a == b
 
 
 def export_after(model: torch.nn.Module, call: ExampleCall, fx_error: TraceError) -> Captured:
     """:func:`export_module` where symbolic_trace failed with ``fx_error`` (or gave a graph that does not
     run); a :class:`TraceError` naming both failures if export fails too."""
     try:
-        return export_module(model, call)
+        with host_randomness_refused(model):
+            return export_module(model, call)
     except TraceError as export_error:
         raise TraceError(
             f"fxplan could not capture {type(model).__name__}.\n"

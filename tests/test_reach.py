@@ -10,6 +10,7 @@ peak within the budget). Configs are tiny so that each model takes seconds.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -245,3 +246,28 @@ def test_a_data_dependent_op_is_refused_saying_what_to_change(model):
     model(*inputs).sum().backward()  # runs on real tensors
     with pytest.raises(fxplan.FxplanError, match="torch.where"):
         fxplan.rewrite(model, None, example_inputs=inputs)
+
+
+class _NumpyMask(nn.Module):
+    """Draws a mask with numpy in forward (as Wav2Vec2's SpecAugment does), with concrete shapes or not."""
+
+    def __init__(self, traceable: bool):
+        super().__init__()
+        self.a, self.emb, self.traceable = nn.Linear(8, 8), nn.Parameter(torch.randn(8)), traceable
+
+    def forward(self, x):
+        h = self.a(x)
+        shape = (2, 4) if self.traceable else h.shape[:2]
+        m = torch.tensor(np.random.rand(*shape) < 0.3)
+        return torch.where(m[..., None], self.emb, h)
+
+
+@pytest.mark.parametrize("traceable", [True, False], ids=["symbolic_trace", "torch.export"])
+def test_randomness_drawn_outside_torch_is_refused(traceable):
+    """A captured graph would hold the mask numpy drew while capturing and repeat it: refused, with the
+    generator left as it was."""
+    np.random.seed(3)
+    state = np.random.get_state()[1].copy()
+    with pytest.raises(fxplan.TraceError, match="numpy.random's global generator"):
+        fxplan.rewrite(_NumpyMask(traceable), None, example_inputs=(torch.randn(2, 4, 8),))
+    assert (np.random.get_state()[1] == state).all()
