@@ -525,10 +525,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _user_frame(exc: BaseException) -> str:
-    """`` at file:line (code)`` for the innermost frame outside torch, or ''."""
+    """`` at file:line (code)`` for the innermost frame outside torch, or ''. The exceptions ``exc`` was raised
+    from count, not another capturer's failure it was raised while handling (export's after symbolic_trace's)."""
     frames = traceback.extract_tb(exc.__traceback__)
     cause = exc.__cause__ or exc.__context__
-    while cause is not None:
+    while cause is not None and not isinstance(cause, TraceError):
         frames += traceback.extract_tb(cause.__traceback__)
         cause = cause.__cause__ or cause.__context__
     outside = [f for f in frames if "/torch/" not in f.filename and "/fxplan/" not in f.filename]

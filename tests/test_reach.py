@@ -271,3 +271,18 @@ def test_randomness_drawn_outside_torch_is_refused(traceable):
     with pytest.raises(fxplan.TraceError, match="numpy.random's global generator"):
         fxplan.rewrite(_NumpyMask(traceable), None, example_inputs=(torch.randn(2, 4, 8),))
     assert (np.random.get_state()[1] == state).all()
+
+
+def test_each_capturer_is_pointed_at_its_own_line():
+    class TwoGates(nn.Module):
+        def forward(self, x):
+            if x.size(1) > 2:  # symbolic_trace stops here; export knows the shape
+                x = x * 2
+            if x.sum() > 0:  # export stops here
+                x = x + 1
+            return x
+
+    with pytest.raises(fxplan.TraceError) as info:
+        fxplan.rewrite(TwoGates(), None, example_inputs=(torch.randn(2, 4),))
+    export_part = str(info.value).split("torch.export")[-1]
+    assert "if x.sum() > 0:" in export_part and "x.size(1)" not in export_part
