@@ -284,5 +284,5 @@ def test_each_capturer_is_pointed_at_its_own_line():
 
     with pytest.raises(fxplan.TraceError) as info:
         fxplan.rewrite(TwoGates(), None, example_inputs=(torch.randn(2, 4),))
-    export_part = str(info.value).split("torch.export")[-1]
+    export_part = str(info.value).split("- torch.export")[-1]
     assert "if x.sum() > 0:" in export_part and "x.size(1)" not in export_part
