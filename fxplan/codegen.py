@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -200,7 +202,7 @@ class _PortableGraph:
         made: dict[str, fx.Node] = {}
         for op, name, target, arguments, type_ in self.nodes:
             args, kwargs = fx.node.map_aggregate(arguments, lambda a: made[a.name] if isinstance(a, _NodeName) else a)
-            if isinstance(target, _OperatorName):
+            if isinstance(target, (_OperatorName, _FunctionName)):
                 target = target.resolve()
             made[name] = graph.create_node(op, target, args, kwargs, name, type_)
             if made[name].name != name:
@@ -216,6 +218,8 @@ class _NodeName:
 def _portable_target(target: Any) -> Any:
     if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
         return _OperatorName.of(target)
+    if callable(target) and "<locals>" in getattr(target, "__qualname__", ""):
+        return _FunctionName.of(target)
     return target
 
 
@@ -236,6 +240,26 @@ class _OperatorName:
     def resolve(self) -> Any:
         op = getattr(getattr(torch.ops, self.namespace), self.name)
         return op if self.overload is None else getattr(op, self.overload)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FunctionName:
+    """A function made inside another that its module exposes by name (``torch.nn.functional.max_pool2d`` is
+    made by ``boolean_dispatch``): pickle finds functions by their qualified name, which such a one lacks."""
+
+    module: str
+    name: str
+
+    @staticmethod
+    def of(function: Any) -> Any:
+        """The function's name where its module exposes it under that name, else the function itself."""
+        module, name = getattr(function, "__module__", None), getattr(function, "__name__", None)
+        if module and name and getattr(sys.modules.get(module), name, None) is function:
+            return _FunctionName(module, name)
+        return function
+
+    def resolve(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
 
 
 def _graph_module(holder: torch.nn.Module, graph: fx.Graph, class_name: str) -> fx.GraphModule:

@@ -22,6 +22,7 @@ from models_awkward import (
     step,
 )
 from torch import nn
+from torch.nn import functional as F
 
 import fxplan.recompute
 from fxplan.capture import capture
@@ -390,6 +391,26 @@ def test_deepcopy_and_pickle_give_independent_equivalent_modules():
     loaded = torch.load(buffer, weights_only=False)
     assert isinstance(loaded, SegmentedModule) and loaded._get_name() == "BNNet"
     assert_same_training(opt, loaded, (torch.randn(3, 3, 8, 8),))
+
+
+class _FunctionalPooling(nn.Module):
+    """Calls F.max_pool2d, which torch makes with boolean_dispatch: a function pickle cannot find by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(F.max_pool2d(torch.relu(self.a(x)), 2)).relu()
+
+
+def test_a_module_calling_functions_torch_makes_inside_others_pickles():
+    opt = rewrite(_FunctionalPooling(), lambda gm: chunks(compute_names(gm), 3))
+    assert any(n.target is F.max_pool2d for seg in (opt.segment_0, opt.segment_1) for n in seg.graph.nodes)
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    assert_same_training(opt, torch.load(buffer, weights_only=False), (torch.randn(2, 3, 8, 8),))
 
 
 def test_segments_cannot_be_copied_alone():
