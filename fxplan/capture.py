@@ -170,6 +170,8 @@ class Captured:
     gm: fx.GraphModule
     method: str
     interface: CallInterface
+    #: the forward called ``torch.utils.checkpoint`` while it was captured (the graph holds its ops once)
+    checkpoints_itself: bool = False
 
 
 def _captured(model: torch.nn.Module, gm: fx.GraphModule, method: str, interface: CallInterface) -> Captured:
@@ -189,14 +191,58 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
         raise TraceError(f"fxplan captures nn.Module objects, got {type(model).__name__}")
     call = as_call(example_inputs)
     _check_call(model, call)
-    with host_randomness_refused(model):
+    with host_randomness_refused(model), own_checkpoints() as seen:
         try:
             gm = symbolic_trace_module(model)
             _check_arguments(model, gm, call)
-            return _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
+            captured = _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
         except TraceError as fx_error:
             logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
-            return export_after(model, call, fx_error)
+            captured = export_after(model, call, fx_error)
+    captured.checkpoints_itself |= bool(seen)
+    return captured
+
+
+#: What ``torch.utils.checkpoint.checkpoint`` calls by name on each call, newest torch first (private names: one
+#: found is enough; with none, calls are not seen).
+_CHECKPOINT_ENTRIES = (("_checkpoint_impl",), ("_checkpoint_without_reentrant_generator", "CheckpointFunction"))
+
+
+@contextlib.contextmanager
+def own_checkpoints() -> Iterator[list[str]]:
+    """The ``torch.utils.checkpoint`` calls made inside the block, one entry each: the model's forward
+    checkpointing parts of itself while it is captured. Seen through what ``checkpoint`` looks up by name when
+    called, so a model importing ``checkpoint`` by name is seen too."""
+    import torch.utils.checkpoint as module
+
+    seen: list[str] = []
+    names = next((names for names in _CHECKPOINT_ENTRIES if all(hasattr(module, n) for n in names)), ())
+    originals = {name: getattr(module, name) for name in names}
+
+    def seeing(name: str, original: Any) -> Any:
+        if isinstance(original, type):  # an autograd.Function, called through .apply
+
+            class Seen:
+                @staticmethod
+                def apply(*args: Any) -> Any:
+                    seen.append(name)
+                    return original.apply(*args)
+
+            return Seen
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append(name)
+            return original(*args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(module, name, seeing(name, original))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -235,8 +281,10 @@ def export_after(model: torch.nn.Module, call: ExampleCall, fx_error: TraceError
     """:func:`export_module` where symbolic_trace failed with ``fx_error`` (or gave a graph that does not
     run); a :class:`TraceError` naming both failures if export fails too."""
     try:
-        with host_randomness_refused(model):
-            return export_module(model, call)
+        with host_randomness_refused(model), own_checkpoints() as seen:
+            captured = export_module(model, call)
+        captured.checkpoints_itself = bool(seen)
+        return captured
     except TraceError as export_error:
         raise TraceError(
             f"fxplan could not capture {type(model).__name__}.\n"

@@ -113,6 +113,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
         with fresh_autocast_cache():
             propagator = _propagate(model, captured, call)
     gm = captured.gm
+    _refuse_own_checkpoints_updating_buffers(model, captured, propagator)
     for node in gm.graph.nodes:
         if node.name in propagator.records:
             node.meta["fxplan_mutates"] = propagator.records[node.name].mutates
@@ -153,6 +154,24 @@ def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) ->
                          f"({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}); check the example "
                          "inputs' shapes and dtypes against what the model expects") from exc
     return propagator
+
+
+def _refuse_own_checkpoints_updating_buffers(model: torch.nn.Module, captured: Captured,
+                                             propagator: _CostPropagator) -> None:
+    """A model that checkpoints parts of itself re-runs them in backward, buffer updates included (its
+    BatchNorm statistics move twice per step); the captured graph runs them once, as a step without its
+    checkpoints does, so a rewrite could not keep its buffers: refused."""
+    if not captured.checkpoints_itself:
+        return
+    updated = sorted({key for record in propagator.records.values() for key in record.mutates})
+    if updated:
+        raise FxplanError(
+            f"{type(model).__name__} checkpoints parts of its own forward (torch.utils.checkpoint) and its step "
+            f"updates buffers ({', '.join(map(str, updated[:3]))}{', ...' if len(updated) > 3 else ''}); its "
+            "checkpoints re-run those updates when they recompute in backward, which fxplan's rewrite, planning the "
+            "recomputation itself, would not do, so its buffers would differ from the model's. Turn the model's own "
+            "checkpointing off (timm: model.set_grad_checkpointing(False); torchvision DenseNet: "
+            "memory_efficient=False; Hugging Face: model.gradient_checkpointing_disable()) and let fxplan plan it")
 
 
 def placeholder_values(gm: torch.fx.GraphModule, args: tuple, kwargs: dict[str, Any], name: str) -> list[Any]:

@@ -286,3 +286,29 @@ def test_each_capturer_is_pointed_at_its_own_line():
         fxplan.rewrite(TwoGates(), None, example_inputs=(torch.randn(2, 4),))
     export_part = str(info.value).split("- torch.export")[-1]
     assert "if x.sum() > 0:" in export_part and "x.size(1)" not in export_part
+
+
+class _CheckpointsItself(nn.Module):
+    """Checkpoints its middle with torch.utils.checkpoint, as torchvision's memory-efficient DenseNet does."""
+
+    def __init__(self, norm: type[nn.Module], reentrant: bool = False):
+        super().__init__()
+        self.a, self.b, self.c = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 3)
+        self.norm, self.reentrant = norm(8) if norm is nn.BatchNorm2d else norm([8, 8, 8]), reentrant
+
+    def middle(self, h):
+        return self.b(torch.relu(self.norm(h)))
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.middle, self.a(x), use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_model_checkpointing_buffer_updates_itself_is_refused(reentrant):
+    """Its checkpoint updates the BatchNorm statistics twice per step (once more when it recomputes), a graph
+    of its forward once: fxplan cannot keep its buffers, and says to turn its checkpointing off."""
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(fxplan.FxplanError, match="checkpointing off"):
+        fxplan.rewrite(_CheckpointsItself(nn.BatchNorm2d, reentrant), None, example_inputs=(x,))
+    assert_rewrite_exact(_CheckpointsItself(nn.LayerNorm, reentrant), (x,), None)  # no buffer updates: exact
