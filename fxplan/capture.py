@@ -178,6 +178,7 @@ def _captured(model: torch.nn.Module, gm: fx.GraphModule, method: str, interface
     """The record of a capture. The graph carries the model and the interface too: the rewritten module
     needs them to tell planned calls from others and to rebuild the output (:mod:`fxplan.codegen`)."""
     gm.meta["fxplan_call"] = (model, interface)
+    _check_hooks(model, gm)
     return Captured(gm, method, interface)
 
 
@@ -201,6 +202,48 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
             captured = export_after(model, call, fx_error)
     captured.checkpoints_itself |= bool(seen)
     return captured
+
+
+#: Where hooks that libraries register for themselves come from (weight normalisation, output capture):
+#: what they do is the model's computation, which the capture keeps.
+_LIBRARY_HOOKS = ("torch.", "transformers.", "timm.", "accelerate.", "peft.", "fxplan.")
+_HOOK_TABLES = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+                "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
+
+
+def _check_hooks(model: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """Backward hooks run only where the rewritten graph calls their module (a leaf of symbolic_trace): on any
+    other module they would be lost, and the gradients with them, so they are refused (``TraceError``). Forward
+    hooks are captured with the forward: what they return is kept, what else they do (storing outputs,
+    logging) is not, so hooks that are not a library's own are warned of."""
+    import torch.nn.modules.module as module_globals
+
+    called = {str(node.target) for node in gm.graph.nodes if node.op == "call_module"}
+    owners = [(name, mod) for name, mod in model.named_modules()] + [("", module_globals)]
+    lost, user = [], []
+    for name, owner in owners:
+        for table, kind in _HOOK_TABLES.items():
+            hooks = getattr(owner, table if owner is not module_globals else f"_global{table}", {})
+            where = f"{kind} on {name or 'the model'}" if owner is not module_globals else f"global {kind}"
+            if hooks and "backward" in kind and (owner is module_globals or name not in called):
+                lost.append(where)
+            for hook in hooks.values():
+                function = getattr(hook, "func", hook)  # functools.partial
+                if not (getattr(function, "__module__", None) or type(function).__module__ or "").startswith(
+                        _LIBRARY_HOOKS):
+                    user.append(where)
+    if lost:
+        raise TraceError(
+            f"{type(model).__name__} has backward hooks ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}) on "
+            "modules whose operations the captured graph runs without calling the module, so they would not run "
+            "and the gradients would differ; remove them before fxplan.rewrite")
+    if user:
+        logger.warning(
+            "fxplan: %s has hooks registered (%s%s): fxplan captures the forward with them, so what a hook returns "
+            "is kept, but what it does besides (storing outputs in a list or dict, logging, counting) happens once "
+            "while capturing, or, on a module the rewritten graph calls, again whenever backward recomputes it. "
+            "Remove such hooks before fxplan.rewrite and take what they gather from the model's outputs",
+            type(model).__name__, ", ".join(user[:3]), ", ..." if len(user) > 3 else "")
 
 
 #: What ``torch.utils.checkpoint.checkpoint`` calls by name on each call, newest torch first (private names: one

@@ -312,3 +312,43 @@ def test_a_model_checkpointing_buffer_updates_itself_is_refused(reentrant):
     with pytest.raises(fxplan.FxplanError, match="checkpointing off"):
         fxplan.rewrite(_CheckpointsItself(nn.BatchNorm2d, reentrant), None, example_inputs=(x,))
     assert_rewrite_exact(_CheckpointsItself(nn.LayerNorm, reentrant), (x,), None)  # no buffer updates: exact
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def _doubling(module, grad_input, grad_output):
+    return tuple(None if g is None else 2 * g for g in grad_input)
+
+
+def test_backward_hooks_the_graph_would_lose_are_refused_and_others_kept():
+    """A module the graph runs without calling it (traced into) would not run its backward hooks: the gradients
+    would differ, so fxplan refuses; on a module the graph calls (a leaf) the hook runs, exactly."""
+    x = torch.randn(32, 16)
+    inner = _Blocks()
+    inner.blocks[1].register_full_backward_hook(_doubling)
+    with pytest.raises(fxplan.TraceError, match=r"backward hook on blocks\.1\b"):
+        fxplan.rewrite(inner, None, example_inputs=(x,))
+    leaf = _Blocks()
+    leaf.blocks[1][0].register_full_backward_hook(_doubling)
+    assert_rewrite_exact(leaf, (x,), None)
+
+
+def test_forward_hooks_with_side_effects_are_warned_of(caplog):
+    """What a forward hook returns is captured; what it stores is not: a hook of the user's is named in a
+    warning (the list it fills gets nothing from the rewritten module's calls)."""
+    model, stored = _Blocks(), []
+    model.blocks[2].register_forward_hook(lambda module, args, output: stored.append(output))
+    with caplog.at_level("WARNING", logger="fxplan"):
+        optimized = fxplan.rewrite(model, None, example_inputs=(torch.randn(32, 16),))
+    assert "forward hook on blocks.2" in caplog.text
+    stored.clear()
+    optimized(torch.randn(32, 16))
+    assert not stored  # what the warning says
