@@ -40,7 +40,8 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     """A private copy of ``model`` whose parameters and buffers are fake tensors of ``fake_mode``.
 
     The copy has the same structure (and, for a GraphModule, the same graph and node names), and the
-    parameters' ``.grad``, where set, as fake tensors too. Nothing real is allocated. A model that is
+    parameters' ``.grad``, where set, as fake tensors too; ``torch.Generator`` attributes are shared (a fake
+    step does not draw from them, and a capture must record the model's own). Nothing real is allocated. A model that is
     fake already gets new fake tensors of the same shapes (``copy.deepcopy`` of a fake tensor would
     put it in a new fake mode, which cannot be mixed with the inputs').
     """
@@ -54,6 +55,10 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     for b in model.buffers():
         if id(b) not in memo:
             memo[id(b)] = _fresh(b, fake_mode)
+    for m in model.modules():  # a generator the model draws from by argument is the model's own, not a copy
+        for value in vars(m).values():
+            if isinstance(value, torch.Generator):
+                memo[id(value)] = value
     return copy.deepcopy(model, memo)
 
 

@@ -24,6 +24,9 @@ Exactness, and how it is kept:
   is swapped for a private copy of the value it had *before* that forward, so the recomputation
   replays the forward exactly (same outputs bitwise: a training-mode BatchNorm normalises with batch
   statistics) and its updates land in the copy, which is then dropped.
+* **Generators of the model's own** (``torch.rand(..., generator=g)``), which checkpoint does not keep:
+  their states when the forward starts are set for the recomputation and put back after it
+  (:class:`GeneratorStates`), as for the default generators. Their states (5 KB each on a CPU) are not metered.
 * **Autocast** state is recorded by checkpoint and re-applied in the recomputation.
 
 Segments hold no parameters, buffers or submodules of their own: attribute look-ups the generated
@@ -245,6 +248,23 @@ class Segment(fx.GraphModule):
             effects.may_draw_random(n, owner) for n in self.graph.nodes
             if not (n.op == "call_module" and str(n.target) in children))
 
+    def own_generators(self) -> list[torch.Generator]:
+        """The ``torch.Generator`` objects this segment's ops (its sub-segments' included) draw from by argument
+        (``torch.rand(..., generator=g)``), each once: checkpoint keeps only the default generators' states."""
+        owner = self.__dict__["_fxplan_owner"] or self
+        if "_fxplan_generator_sources" not in self.__dict__:  # the nodes do not change; the attributes may
+            self.__dict__["_fxplan_generator_sources"] = [
+                source for node in self._all_nodes()
+                for source in ([str(node.target)] if node.op == "get_attr" else
+                               [v for v in tree_leaves((node.args, node.kwargs)) if isinstance(v, torch.Generator)])
+                if isinstance(resolve_attr(owner, source) if isinstance(source, str) else source, torch.Generator)]
+        found: dict[int, torch.Generator] = {}
+        for source in self.__dict__["_fxplan_generator_sources"]:
+            value = resolve_attr(owner, source) if isinstance(source, str) else source
+            if isinstance(value, torch.Generator):
+                found.setdefault(id(value), value)
+        return list(found.values())
+
     def _all_nodes(self) -> Iterator[fx.Node]:
         """The nodes this segment runs: its own and, for a nested plan, its sub-segments'."""
         yield from self.graph.nodes
@@ -263,6 +283,9 @@ class Segment(fx.GraphModule):
         random = self.may_draw_random()
         if random and _metering_host_memory(args, kwargs):
             context_fn = functools.partial(MeteredRngStates.contexts, guard.contexts)
+        generators = self.own_generators()
+        if generators:
+            context_fn = functools.partial(GeneratorStates.contexts, generators, context_fn)
         out = checkpoint(
             plain,
             *args,
@@ -296,6 +319,41 @@ def _metering_host_memory(args: tuple, kwargs: dict) -> bool:
         return False
     first = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
     return first is not None and first.device.type == "cpu"
+
+
+class GeneratorStates:
+    """A checkpoint's contexts that also keep the states of generators the segment's ops draw from by argument
+    (:meth:`Segment.own_generators`), as checkpoint keeps the default ones': their states when the forward
+    starts are set for the recomputation, which then draws the forward's numbers, and the states it found are
+    put back after it, so the generators go on as in a step without recomputation."""
+
+    def __init__(self, generators: list[torch.Generator], forward: Any, recompute: Any) -> None:
+        self.generators, self._forward, self._recompute = generators, forward, recompute
+        self.states: list[torch.Tensor] = []
+
+    @classmethod
+    def contexts(cls, generators: list[torch.Generator], inner: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+        """``context_fn`` for checkpoint: ``inner()``'s contexts, with the generators' states kept around them."""
+        keeper = cls(generators, *inner())
+        return keeper._forwarding(), keeper._recomputing()
+
+    @contextlib.contextmanager
+    def _forwarding(self) -> Iterator[None]:
+        self.states = [g.get_state() for g in self.generators]
+        with self._forward:
+            yield
+
+    @contextlib.contextmanager
+    def _recomputing(self) -> Iterator[None]:
+        found = [g.get_state() for g in self.generators]
+        for g, state in zip(self.generators, self.states):
+            g.set_state(state)
+        try:
+            with self._recompute:
+                yield
+        finally:
+            for g, state in zip(self.generators, found):
+                g.set_state(state)
 
 
 class MeteredRngStates:
