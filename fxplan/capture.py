@@ -311,6 +311,28 @@ def host_randomness_refused(model: torch.nn.Module) -> Iterator[None]:
             "torch.randperm), whose ops the graph records, or turn that random step off for training with fxplan")
 
 
+@contextlib.contextmanager
+def tensor_hooks_refused(model: torch.nn.Module) -> Iterator[None]:
+    """Raise :class:`TraceError` if the block (an export of ``model``) registers a hook on a tensor: torch.export
+    does not record ``Tensor.register_hook``, so the gradient the hook changes would differ."""
+    registered: list[bool] = []
+    original = torch.Tensor.register_hook
+
+    def register_hook(self: torch.Tensor, hook: Any) -> Any:
+        registered.append(True)
+        return original(self, hook)
+
+    torch.Tensor.register_hook = register_hook
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original
+    if registered:
+        raise TraceError(f"the forward of {type(model).__name__} registers a hook on a tensor (Tensor.register_hook), "
+                         "which torch.export does not record, so the gradients the hook changes would differ (symbolic_trace "
+                         "cannot take the hook function either); remove the hook to plan the model")
+
+
 def _same_state(a: Any, b: Any) -> bool:
     """Equal generator states (numpy's hold an array)."""
     if isinstance(a, tuple) and isinstance(b, tuple):
@@ -324,7 +346,7 @@ def export_after(model: torch.nn.Module, call: ExampleCall, fx_error: TraceError
     """:func:`export_module` where symbolic_trace failed with ``fx_error`` (or gave a graph that does not
     run); a :class:`TraceError` naming both failures if export fails too."""
     try:
-        with host_randomness_refused(model), own_checkpoints() as seen:
+        with host_randomness_refused(model), own_checkpoints() as seen, tensor_hooks_refused(model):
             captured = export_module(model, call)
         captured.checkpoints_itself = bool(seen)
         return captured
@@ -422,6 +444,25 @@ class _LocatingTracer(fx.Tracer):
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.fxplan_leaves or super().is_leaf_module(m, module_qualified_name)
+
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self.fxplan_modes = _grad_and_autocast_modes()
+        return super().trace(root, concrete_args)
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> fx.Node:
+        # symbolic_trace runs ``with torch.no_grad():`` (or autocast) while tracing and records nothing of it:
+        # the graph would compute, and differentiate, what the model's region does not
+        if kind.startswith("call_") and _grad_and_autocast_modes() != self.fxplan_modes:
+            raise RuntimeError("a grad-mode or autocast region inside forward (torch.no_grad, torch.autocast), "
+                               "which symbolic_trace does not record")
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
+
+
+def _grad_and_autocast_modes() -> tuple:
+    """Grad mode, inference mode and autocast's state (enabled, dtype) on the CPU and CUDA."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+            *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
 
     def call_module(self, m, forward, args, kwargs):
         self.fxplan_path.append(self.path_of_module(m) or type(m).__name__)

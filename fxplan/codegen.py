@@ -52,6 +52,7 @@ from fxplan.errors import FxplanError
 from fxplan.recompute import Segment
 
 logger = logging.getLogger("fxplan")
+_WARNED_INPUTS: set[tuple[str, str]] = set()
 
 _LAST = 1 << 30  # segment index of the output node
 
@@ -428,6 +429,12 @@ class _Rewrite:
                 continue
             if not (self._read_by_recompute(members, s) or self._reordered(members, n, pos)):
                 continue
+            if roots[a].op == "placeholder" and (n.name, roots[a].target) not in _WARNED_INPUTS:
+                _WARNED_INPUTS.add((n.name, roots[a].target))  # once: the search generates many candidates
+                logger.warning("fxplan: in-place op %r overwrites model input %r, whose old value a recomputed "
+                               "segment needs: the rewritten module runs it on a private copy in training, so the "
+                               "caller's tensor keeps its value where the model's forward changes it",
+                               n.name, roots[a].target)
             self._copy_operand(n, a, where, members, pos)
 
     def _read_by_recompute(self, members: list[fx.Node], s: int) -> bool:

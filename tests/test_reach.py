@@ -378,3 +378,45 @@ def test_a_generator_of_the_models_own_draws_the_same_in_recomputation(traceable
     model, x = _OwnGenerator(traceable), torch.randn(64, 32)
     optimized = assert_rewrite_exact_at_two_budgets(model, (x,))
     assert optimized.fxplan_plan.num_segments > 1
+
+
+class _NoGradRegion(nn.Module):
+    """A statistic taken under torch.no_grad() in forward: symbolic_trace would record its ops with grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(6)])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i == 2:
+                with torch.no_grad():
+                    scale = x.abs().mean() + 1
+                x = x / scale
+        return x
+
+
+def test_a_no_grad_region_in_forward_is_captured_with_its_grad_mode():
+    """symbolic_trace runs the region's context manager while tracing and records nothing of it (the gradient
+    would flow through the statistic): fxplan refuses that graph and captures with torch.export, exactly."""
+    assert_rewrite_exact(_NoGradRegion(), (torch.randn(64, 32),), None)
+
+
+class _TensorHook(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i == 1 and x.requires_grad:
+                x.register_hook(lambda g: g * 3)
+        return x
+
+
+def test_a_hook_registered_on_a_tensor_in_forward_is_refused():
+    """Neither capturer records Tensor.register_hook (export drops it: the gradients differed)."""
+    with pytest.raises(fxplan.TraceError, match="register_hook"):
+        fxplan.rewrite(_TensorHook(), None, example_inputs=(torch.randn(64, 32),))
