@@ -192,7 +192,7 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
         raise TraceError(f"fxplan captures nn.Module objects, got {type(model).__name__}")
     call = as_call(example_inputs)
     _check_call(model, call)
-    with host_randomness_refused(model), own_checkpoints() as seen:
+    with host_randomness_refused(model), own_checkpoints() as seen, custom_functions_refused(model):
         try:
             gm = symbolic_trace_module(model)
             _check_arguments(model, gm, call)
@@ -333,6 +333,37 @@ def tensor_hooks_refused(model: torch.nn.Module) -> Iterator[None]:
                          "cannot take the hook function either); remove the hook to plan the model")
 
 
+#: autograd.Function classes whose backward is what autograd would compute without them (checkpoint's
+#: recomputation): captured through, they change no gradient.
+_TRANSPARENT_FUNCTIONS = ("torch.utils.checkpoint.",)
+
+
+@contextlib.contextmanager
+def custom_functions_refused(model: torch.nn.Module) -> Iterator[None]:
+    """Raise :class:`TraceError` if the block (a capture of ``model``) calls a ``torch.autograd.Function`` with a
+    backward of its own (a straight-through estimator, a gradient reversal, a fused kernel): both capturers trace
+    through its forward and lose its backward, so the gradients would differ."""
+    called: list[str] = []
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not f"{cls.__module__}.".startswith(_TRANSPARENT_FUNCTIONS):
+            called.append(f"{cls.__module__}.{cls.__qualname__}")
+        return original.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+    if called:
+        raise TraceError(
+            f"the forward of {type(model).__name__} calls {sorted(set(called))[0]}"
+            f"{' (and others)' if len(set(called)) > 1 else ''}, a torch.autograd.Function with a backward of its "
+            "own, which fxplan's capturers trace through without that backward, so the gradients would differ; "
+            "fxplan cannot plan such a model yet")
+
+
 def _same_state(a: Any, b: Any) -> bool:
     """Equal generator states (numpy's hold an array)."""
     if isinstance(a, tuple) and isinstance(b, tuple):
@@ -346,7 +377,8 @@ def export_after(model: torch.nn.Module, call: ExampleCall, fx_error: TraceError
     """:func:`export_module` where symbolic_trace failed with ``fx_error`` (or gave a graph that does not
     run); a :class:`TraceError` naming both failures if export fails too."""
     try:
-        with host_randomness_refused(model), own_checkpoints() as seen, tensor_hooks_refused(model):
+        with (host_randomness_refused(model), own_checkpoints() as seen, tensor_hooks_refused(model),
+              custom_functions_refused(model)):
             captured = export_module(model, call)
         captured.checkpoints_itself = bool(seen)
         return captured

@@ -420,3 +420,29 @@ def test_a_hook_registered_on_a_tensor_in_forward_is_refused():
     """Neither capturer records Tensor.register_hook (export drops it: the gradients differed)."""
     with pytest.raises(fxplan.TraceError, match="register_hook"):
         fxplan.rewrite(_TensorHook(), None, example_inputs=(torch.randn(64, 32),))
+
+
+class _ReverseGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class _WithOwnBackward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(_ReverseGradient.apply(torch.relu(self.a(x))))
+
+
+def test_an_autograd_function_with_its_own_backward_is_refused():
+    """Both capturers trace through a custom autograd.Function's forward and lose its backward (a gradient
+    reversal's gradients came back with the wrong sign): refused, naming the function."""
+    with pytest.raises(fxplan.TraceError, match="_ReverseGradient, a torch.autograd.Function"):
+        fxplan.rewrite(_WithOwnBackward(), None, example_inputs=(torch.randn(8, 16),))
