@@ -246,6 +246,10 @@ def _check_hooks(model: torch.nn.Module, gm: fx.GraphModule) -> None:
             type(model).__name__, ", ".join(user[:3]), ", ..." if len(user) > 3 else "")
 
 
+#: How many of the model's own checkpoint calls are running (:func:`own_checkpoints`): a reentrant checkpoint
+#: runs its function under no_grad, which is not a region of the model's (the graph keeps the function's ops).
+_INSIDE_OWN_CHECKPOINT = [0]
+
 #: What ``torch.utils.checkpoint.checkpoint`` calls by name on each call, newest torch first (private names: one
 #: found is enough; with none, calls are not seen).
 _CHECKPOINT_ENTRIES = (("_checkpoint_impl",), ("_checkpoint_without_reentrant_generator", "CheckpointFunction"))
@@ -269,13 +273,21 @@ def own_checkpoints() -> Iterator[list[str]]:
                 @staticmethod
                 def apply(*args: Any) -> Any:
                     seen.append(name)
-                    return original.apply(*args)
+                    _INSIDE_OWN_CHECKPOINT[0] += 1
+                    try:
+                        return original.apply(*args)
+                    finally:
+                        _INSIDE_OWN_CHECKPOINT[0] -= 1
 
             return Seen
 
         def call(*args: Any, **kwargs: Any) -> Any:
             seen.append(name)
-            return original(*args, **kwargs)
+            _INSIDE_OWN_CHECKPOINT[0] += 1  # a reentrant one runs its function under no_grad
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _INSIDE_OWN_CHECKPOINT[0] -= 1
 
         return call
 
@@ -485,7 +497,8 @@ class _LocatingTracer(fx.Tracer):
                     type_expr: Any = None) -> fx.Node:
         # symbolic_trace runs ``with torch.no_grad():`` (or autocast) while tracing and records nothing of it:
         # the graph would compute, and differentiate, what the model's region does not
-        if kind.startswith("call_") and _grad_and_autocast_modes() != self.fxplan_modes:
+        if (kind.startswith("call_") and not _INSIDE_OWN_CHECKPOINT[0]
+                and _grad_and_autocast_modes() != self.fxplan_modes):
             raise RuntimeError("a grad-mode or autocast region inside forward (torch.no_grad, torch.autocast), "
                                "which symbolic_trace does not record")
         return super().create_node(kind, target, args, kwargs, name, type_expr)
