@@ -491,7 +491,25 @@ class _LocatingTracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self.fxplan_modes = _grad_and_autocast_modes()
-        return super().trace(root, concrete_args)
+        original = torch.autograd.Function.__dict__["apply"]
+        functions: dict[type, str] = {}
+
+        def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs))):
+                return original.__get__(None, cls)(*args, **kwargs)
+            # one node calling the function, so that its own backward runs (tracing into its forward loses it);
+            # the class is an attribute of the root, which the capture keeps as a constant
+            if cls not in functions:
+                functions[cls] = f"_fxplan_function_{len(functions)}"
+                setattr(self.root, functions[cls], cls)
+            function = self.create_proxy("get_attr", functions[cls], (), {})
+            return self.create_proxy("call_function", apply_function, (function, *args), kwargs)
+
+        torch.autograd.Function.apply = classmethod(apply)
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            torch.autograd.Function.apply = original
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
                     type_expr: Any = None) -> fx.Node:
@@ -502,6 +520,12 @@ class _LocatingTracer(fx.Tracer):
             raise RuntimeError("a grad-mode or autocast region inside forward (torch.no_grad, torch.autocast), "
                                "which symbolic_trace does not record")
         return super().create_node(kind, target, args, kwargs, name, type_expr)
+
+
+def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:
+    """``function.apply(*args, **kwargs)``: a captured call of a ``torch.autograd.Function``, which runs its own
+    backward."""
+    return function.apply(*args, **kwargs)
 
 
 def _grad_and_autocast_modes() -> tuple:

@@ -10,6 +10,8 @@ peak within the budget). Configs are tiny so that each model takes seconds.
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 import torch
@@ -433,16 +435,28 @@ class _ReverseGradient(torch.autograd.Function):
 
 
 class _WithOwnBackward(nn.Module):
-    def __init__(self):
+    def __init__(self, traceable: bool):
         super().__init__()
-        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(6)])
+        self.traceable = traceable
 
     def forward(self, x):
-        return self.b(_ReverseGradient.apply(torch.relu(self.a(x))))
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if i == 2 and (self.traceable or x.shape[0] > 1):  # a shape test: symbolic_trace stops, export captures
+                x = _ReverseGradient.apply(x)
+        return x
 
 
-def test_an_autograd_function_with_its_own_backward_is_refused():
-    """Both capturers trace through a custom autograd.Function's forward and lose its backward (a gradient
-    reversal's gradients came back with the wrong sign): refused, naming the function."""
+def test_an_autograd_function_with_its_own_backward_is_called_or_refused():
+    """symbolic_trace's graph calls a custom autograd.Function as one node, so its own backward runs (a gradient
+    reversal: exact at two budgets, and the module pickles); torch.export traces through its forward and loses
+    its backward (the gradients came back with the wrong sign): refused, naming the function."""
+    x = torch.randn(64, 16)
+    optimized = assert_rewrite_exact_at_two_budgets(_WithOwnBackward(traceable=True), (x,))
+    buffer = io.BytesIO()
+    torch.save(optimized, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer, weights_only=False)(x), optimized(x))
     with pytest.raises(fxplan.TraceError, match="_ReverseGradient, a torch.autograd.Function"):
-        fxplan.rewrite(_WithOwnBackward(), None, example_inputs=(torch.randn(8, 16),))
+        fxplan.rewrite(_WithOwnBackward(traceable=False), None, example_inputs=(x,))
