@@ -192,6 +192,14 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
         raise TraceError(f"fxplan captures nn.Module objects, got {type(model).__name__}")
     call = as_call(example_inputs)
     _check_call(model, call)
+    scripted: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and not any(name.startswith(f"{s}.") for s in scripted):
+            scripted.append(name or "the model")
+    if scripted:
+        raise TraceError(f"{type(model).__name__} holds TorchScript modules ({', '.join(scripted[:3])}"
+                         f"{', ...' if len(scripted) > 3 else ''}), which fxplan's fake-tensor steps cannot run; "
+                         "plan the model with the Python modules they were scripted from")
     with host_randomness_refused(model), own_checkpoints() as seen, custom_functions_refused(model):
         try:
             gm = symbolic_trace_module(model)

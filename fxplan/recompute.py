@@ -222,7 +222,7 @@ class Segment(fx.GraphModule):
         for target in self._fxplan_attr_targets:
             parent_path, _, name = target.rpartition(".")
             mod = owner.get_submodule(parent_path) if parent_path else owner
-            if mod._buffers.get(name) is not None and (id(mod), name) not in seen:
+            if name in mod._buffers and mod._buffers[name] is not None and (id(mod), name) not in seen:
                 seen.add((id(mod), name))
                 slots.append((target, mod, name))
         return slots

@@ -460,3 +460,9 @@ def test_an_autograd_function_with_its_own_backward_is_called_or_refused():
     assert torch.equal(torch.load(buffer, weights_only=False)(x), optimized(x))
     with pytest.raises(fxplan.TraceError, match="_ReverseGradient, a torch.autograd.Function"):
         fxplan.rewrite(_WithOwnBackward(traceable=False), None, example_inputs=(x,))
+
+
+def test_torchscript_modules_are_refused_by_name():
+    model = nn.Sequential(torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh())), nn.Linear(8, 2))
+    with pytest.raises(fxplan.TraceError, match=r"TorchScript modules \(0\)"):
+        fxplan.rewrite(model, None, example_inputs=(torch.randn(4, 8),))
