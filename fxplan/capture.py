@@ -29,7 +29,7 @@ import logging
 import random
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,14 +200,18 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
         raise TraceError(f"{type(model).__name__} holds TorchScript modules ({', '.join(scripted[:3])}"
                          f"{', ...' if len(scripted) > 3 else ''}), which fxplan's fake-tensor steps cannot run; "
                          "plan the model with the Python modules they were scripted from")
-    with host_randomness_refused(model), own_checkpoints() as seen, custom_functions_refused(model):
+
+    def once() -> Captured:
         try:
             gm = symbolic_trace_module(model)
             _check_arguments(model, gm, call)
-            captured = _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
+            return _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
         except TraceError as fx_error:
             logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
-            captured = export_after(model, call, fx_error)
+            return export_after(model, call, fx_error)
+
+    with own_checkpoints() as seen, custom_functions_refused(model):
+        captured = _checked_for_host_draws(model, once)
     captured.checkpoints_itself |= bool(seen)
     return captured
 
@@ -308,27 +312,57 @@ def own_checkpoints() -> Iterator[list[str]]:
             setattr(module, name, original)
 
 
-@contextlib.contextmanager
-def host_randomness_refused(model: torch.nn.Module) -> Iterator[None]:
-    """Raise :class:`TraceError` if the block draws from numpy's or Python's global random generator (the
-    model's forward does, as it is captured): a graph holds the numbers drawn while capturing as constants and
-    would repeat them at every call, where the model draws new ones. The generators are left as they were.
-    Torch's generators are not concerned: a graph records their ops."""
-    numpy = sys.modules.get("numpy")
-    before = random.getstate(), numpy.random.get_state() if numpy is not None else None
-    yield
-    after = random.getstate(), numpy.random.get_state() if numpy is not None else None
-    drew = [name for name, b, a in (("random", before[0], after[0]), ("numpy.random", before[1], after[1]))
-            if b is not None and not _same_state(b, a)]
-    if drew:
-        random.setstate(before[0])
-        if numpy is not None:
-            numpy.random.set_state(before[1])
+def _checked_for_host_draws(model: torch.nn.Module, capture_once: Callable[[], Captured]) -> Captured:
+    """``capture_once()``, checked for draws from numpy's or Python's global random generator (the model's
+    forward drawing while it is captured): a graph holds what was drawn as constants and repeats it at every
+    call. Where the forward draws, it is captured once more from the generators as the first capture left
+    them: the same graph (a LayerDrop at probability 0 draws and drops nothing) is kept, with a warning;
+    another one is refused with :class:`TraceError`. The generators are left as they were."""
+    before = _host_generator_states()
+    captured = capture_once()
+    drew = [name for name, b, a in zip(("random", "numpy.random"), before, _host_generator_states())
+            if not _same_state(b, a)]
+    if not drew:
+        return captured
+    try:
+        again = capture_once()
+    finally:
+        _set_host_generator_states(before)
+    source = f"{' and '.join(drew)}'s global generator"
+    if not _same_graph(captured.gm, again.gm):
         raise TraceError(
-            f"the forward of {type(model).__name__} draws random numbers from {' and '.join(drew)}'s global "
-            "generator; a captured graph would hold the numbers drawn while capturing and repeat them at every "
-            "call, where the model draws new ones. Draw them with torch (torch.rand, torch.bernoulli, "
+            f"the forward of {type(model).__name__} draws random numbers from {source}, and two captures gave "
+            "different graphs: a captured graph would hold the numbers drawn while capturing and repeat them at "
+            "every call, where the model draws new ones. Draw them with torch (torch.rand, torch.bernoulli, "
             "torch.randperm), whose ops the graph records, or turn that random step off for training with fxplan")
+    logger.warning("fxplan: the forward of %s draws from %s, but two captures gave the same graph, so what it "
+                   "draws changes nothing planned; the rewritten module does not draw, so that generator's sequence "
+                   "will differ from the model's", type(model).__name__, source)
+    return captured
+
+
+def _host_generator_states() -> tuple[Any, Any]:
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy.random.get_state() if numpy is not None else None
+
+
+def _set_host_generator_states(states: tuple[Any, Any]) -> None:
+    random.setstate(states[0])
+    if states[1] is not None:
+        sys.modules["numpy"].random.set_state(states[1])
+
+
+def _same_graph(a: fx.GraphModule, b: fx.GraphModule) -> bool:
+    """The same code over equal constants (the model's own state is the same objects in both)."""
+    if a.code != b.code:
+        return False
+    for node in a.graph.nodes:
+        if node.op == "get_attr":
+            x, y = resolve_attr(a, str(node.target)), resolve_attr(b, str(node.target))
+            if x is not y and not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                                   and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+    return True
 
 
 @contextlib.contextmanager
@@ -397,9 +431,8 @@ def export_after(model: torch.nn.Module, call: ExampleCall, fx_error: TraceError
     """:func:`export_module` where symbolic_trace failed with ``fx_error`` (or gave a graph that does not
     run); a :class:`TraceError` naming both failures if export fails too."""
     try:
-        with (host_randomness_refused(model), own_checkpoints() as seen, tensor_hooks_refused(model),
-              custom_functions_refused(model)):
-            captured = export_module(model, call)
+        with own_checkpoints() as seen, tensor_hooks_refused(model), custom_functions_refused(model):
+            captured = _checked_for_host_draws(model, lambda: export_module(model, call))
         captured.checkpoints_itself = bool(seen)
         return captured
     except TraceError as export_error:
@@ -503,7 +536,8 @@ class _LocatingTracer(fx.Tracer):
         functions: dict[type, str] = {}
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-            if not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs))):
+            if (f"{cls.__module__}.".startswith(_TRANSPARENT_FUNCTIONS)
+                    or not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs)))):
                 return original.__get__(None, cls)(*args, **kwargs)
             # one node calling the function, so that its own backward runs (tracing into its forward loses it);
             # the class is an attribute of the root, which the capture keeps as a constant

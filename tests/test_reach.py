@@ -11,6 +11,7 @@ peak within the budget). Configs are tiny so that each model takes seconds.
 from __future__ import annotations
 
 import io
+import random
 
 import numpy as np
 import pytest
@@ -466,3 +467,30 @@ def test_torchscript_modules_are_refused_by_name():
     model = nn.Sequential(torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh())), nn.Linear(8, 2))
     with pytest.raises(fxplan.TraceError, match=r"TorchScript modules \(0\)"):
         fxplan.rewrite(model, None, example_inputs=(torch.randn(4, 8),))
+
+
+class _LayerDropAtZero(nn.Module):
+    """Draws from Python's generator for a LayerDrop that drops nothing (as some Hugging Face models do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and random.uniform(0, 1) < 0.0:
+                continue
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_draws_that_change_no_graph_are_let_through_with_a_warning(caplog):
+    """Two captures give the same graph: planned exactly, the generator left as it was, and a warning that the
+    rewritten module does not draw."""
+    random.seed(5)
+    state = random.getstate()
+    with caplog.at_level("WARNING", logger="fxplan"):
+        fxplan.rewrite(_LayerDropAtZero(), None, example_inputs=(torch.randn(8, 16),))
+    assert random.getstate() == state
+    assert "two captures gave the same graph" in caplog.text
+    assert_rewrite_exact(_LayerDropAtZero(), (torch.randn(8, 16),), None)
