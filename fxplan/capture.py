@@ -382,9 +382,10 @@ def tensor_hooks_refused(model: torch.nn.Module) -> Iterator[None]:
     finally:
         torch.Tensor.register_hook = original
     if registered:
-        raise TraceError(f"the forward of {type(model).__name__} registers a hook on a tensor (Tensor.register_hook), "
-                         "which torch.export does not record, so the gradients the hook changes would differ (symbolic_trace "
-                         "cannot take the hook function either); remove the hook to plan the model")
+        raise TraceError(f"the forward of {type(model).__name__} registers a hook on a tensor "
+                         "(Tensor.register_hook), which torch.export does not record, so the gradients the hook "
+                         "changes would differ (symbolic_trace cannot take the hook function either); remove the "
+                         "hook to plan the model")
 
 
 #: autograd.Function classes whose backward is what autograd would compute without them (checkpoint's
