@@ -103,7 +103,7 @@ class BufferGuard:
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """``context_fn`` for checkpoint: nothing around the forward, the guard around recomputation."""
-        return contextlib.nullcontext(), self._recomputing()
+        return contextlib.nullcontext(), EachEntry(self._recomputing)
 
     @contextlib.contextmanager
     def _recomputing(self) -> Iterator[None]:
@@ -321,6 +321,23 @@ def _metering_host_memory(args: tuple, kwargs: dict) -> bool:
     return first is not None and first.device.type == "cpu"
 
 
+class EachEntry:
+    """A context manager made anew by ``factory`` at every entry: checkpoint enters its recomputation context
+    once per backward that needs the segment's values (twice for a double backward, a gradient penalty, or a
+    graph backpropagated twice), and a generator-based one can be entered only once."""
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self._factory = factory
+        self._entered: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> Any:
+        self._entered.append(self._factory())
+        return self._entered[-1].__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        return self._entered.pop().__exit__(*exc_info)
+
+
 class GeneratorStates:
     """A checkpoint's contexts that also keep the states of generators the segment's ops draw from by argument
     (:meth:`Segment.own_generators`), as checkpoint keeps the default ones': their states when the forward
@@ -335,7 +352,7 @@ class GeneratorStates:
     def contexts(cls, generators: list[torch.Generator], inner: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
         """``context_fn`` for checkpoint: ``inner()``'s contexts, with the generators' states kept around them."""
         keeper = cls(generators, *inner())
-        return keeper._forwarding(), keeper._recomputing()
+        return keeper._forwarding(), EachEntry(keeper._recomputing)
 
     @contextlib.contextmanager
     def _forwarding(self) -> Iterator[None]:

@@ -10,6 +10,7 @@ peak within the budget). Configs are tiny so that each model takes seconds.
 
 from __future__ import annotations
 
+import copy
 import io
 import random
 
@@ -494,3 +495,23 @@ def test_draws_that_change_no_graph_are_let_through_with_a_warning(caplog):
     assert random.getstate() == state
     assert "two captures gave the same graph" in caplog.text
     assert_rewrite_exact(_LayerDropAtZero(), (torch.randn(8, 16),), None)
+
+
+def test_a_gradient_penalty_backpropagates_twice_through_recomputed_segments_exactly():
+    """A double backward (WGAN-GP's gradient penalty) recomputes each segment once per backward: the buffer
+    guard's and the generators' recomputation contexts are entered twice, and the gradients equal the model's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Dropout(0.1))
+                            for _ in range(5)], nn.Linear(32, 1)).train()
+    reference, x = copy.deepcopy(model), torch.randn(64, 32)
+    optimized = fxplan.rewrite(model, None, example_inputs=(x,))
+    assert optimized.fxplan_plan.num_segments > 1
+    grads = []
+    for module in (reference, optimized):
+        torch.manual_seed(1)
+        xi = x.clone().requires_grad_(True)
+        out = module(xi).sum()
+        (g,) = torch.autograd.grad(out, xi, create_graph=True)
+        (out + (g.norm(2, dim=1) - 1).pow(2).mean()).backward()
+        grads.append([p.grad for p in module.parameters()] + list(module.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
