@@ -120,12 +120,23 @@ def output_storages(figures: Figures, outputs: list[torch.Tensor]) -> list[tuple
     """The storages of a call's tensor outputs (in order, once each) with the bytes to count for each: its own,
     or, where larger, what the real kernel's outputs on it held (a fake kernel may return one storage for two
     outputs the real one makes apart: oneDNN's LSTM backward, its two bias gradients)."""
+    refuse_unstrided(outputs)
     counted: dict[int, tuple[torch.UntypedStorage, int]] = {}
     for i, t in enumerate(outputs):
         storage = t.untyped_storage()
         _, real = counted.get(storage._cdata, (storage, 0))
         counted[storage._cdata] = storage, real + (figures.output_bytes[i] if i < len(figures.output_bytes) else 0)
     return [(storage, max(real, storage.nbytes())) for storage, real in counted.values()]
+
+
+def refuse_unstrided(tensors: list[torch.Tensor]) -> None:
+    """:class:`FxplanError` for a sparse (or other non-strided) tensor: the meters count storages, which such
+    a tensor does not have as one (``nn.Embedding(sparse=True)`` makes its weight's gradient sparse)."""
+    odd = next((t for t in tensors if t.layout != torch.strided), None)
+    if odd is not None:
+        raise FxplanError(f"the step makes a {odd.layout} tensor (of shape {tuple(odd.shape)}), which fxplan's "
+                          "meters cannot count: they measure strided storages. Plan the model with dense tensors "
+                          "(nn.Embedding and nn.EmbeddingBag with sparse=False)")
 
 
 @contextlib.contextmanager

@@ -515,3 +515,10 @@ def test_a_gradient_penalty_backpropagates_twice_through_recomputed_segments_exa
         (out + (g.norm(2, dim=1) - 1).pow(2).mean()).backward()
         grads.append([p.grad for p in module.parameters()] + list(module.state_dict().values()))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_sparse_gradients_are_refused_clearly():
+    """nn.Embedding(sparse=True) makes its weight's gradient a sparse tensor, which the meters cannot count."""
+    model = nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Flatten(), nn.Linear(80, 4))
+    with pytest.raises(fxplan.FxplanError, match="sparse=False"):
+        fxplan.rewrite(model, None, example_inputs=(torch.randint(0, 100, (8, 5)),))
