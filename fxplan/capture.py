@@ -45,6 +45,7 @@ from fxplan.guards import (
     checked_for_host_draws,
     custom_functions_refused,
     own_checkpoints,
+    python_state_refused,
     refuse_torchscript,
     tensor_hooks_refused,
 )
@@ -204,7 +205,8 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
 
     def once() -> Captured:
         try:
-            gm = symbolic_trace_module(model)
+            with python_state_refused(model, type(model).__name__):
+                gm = symbolic_trace_module(model)
             _check_arguments(model, gm, call)
             return _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
         except TraceError as fx_error:
@@ -279,8 +281,21 @@ def _trace_once(model: torch.nn.Module, leaves: set[str]) -> tuple[fx.Graph, dic
     finally:
         # The tracer stores tensor constants (``_tensor_constant0``) on the model it traces: move them off.
         constants = {k: model.__dict__.pop(k) for k in set(model.__dict__) - had}
-        changed = _restore(buffers)
+        changed = _rebind(model, buffers) + _restore(buffers)
     return graph, constants, changed
+
+
+def _rebind(model: torch.nn.Module, buffers: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[str]:
+    """Put back every buffer tracing replaced (``self.count = self.count + 1`` in forward); return their names.
+    A graph would hold the new value as a constant and never update the buffer."""
+    rebound = []
+    for name, (buf, _, _) in buffers.items():
+        owner_path, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_path)
+        if owner._buffers.get(leaf) is not buf:
+            owner._buffers[leaf] = buf
+            rebound.append(name)
+    return rebound
 
 
 def _restore(buffers: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[str]:
@@ -418,7 +433,8 @@ def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
     fake_model = fake_copy(model, fake_mode)
     fake_args, fake_kwargs = to_fake((args, kwargs), fake_mode)
     try:
-        ep = _export(fake_model, fake_args, fake_kwargs)
+        with python_state_refused(fake_model, type(model).__name__):
+            ep = _export(fake_model, fake_args, fake_kwargs)
     except _UnsupportedOutput as exc:
         # A key/value cache is an inference object a graph cannot return; Hugging Face's own gradient
         # checkpointing turns it off in training. The graph computes exactly what the call computes

@@ -33,6 +33,39 @@ if TYPE_CHECKING:
 logger = logging.getLogger("fxplan")
 
 
+@contextlib.contextmanager
+def python_state_refused(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Raise :class:`TraceError` if the block (a capture running ``model``'s forward) sets a plain attribute of
+    one of its modules to a new value (a number, string or flag: ``self.calls += 1``, a schedule's step): a graph
+    holds the values read while capturing and never changes them, where the model's next call would read new
+    ones. The attributes are put back. A module's ``training`` flag is left to ``train()``."""
+    plain = (bool, int, float, str)
+    modules = {id(m): n or name for n, m in model.named_modules()}
+    changed: dict[tuple[int, str], tuple[torch.nn.Module, Any]] = {}
+    original = torch.nn.Module.__setattr__
+
+    def setattr_seen(module: torch.nn.Module, key: str, value: Any) -> None:
+        old = module.__dict__.get(key)
+        if (id(module) in modules and key != "training" and isinstance(old, plain) and old is not value
+                and old != value):
+            changed.setdefault((id(module), key), (module, old))
+        original(module, key, value)
+
+    torch.nn.Module.__setattr__ = setattr_seen
+    try:
+        yield
+    finally:
+        torch.nn.Module.__setattr__ = original
+    if changed:
+        (where, key), (module, old) = next(iter(changed.items()))
+        new = module.__dict__.get(key)
+        for (_, attribute), (owner, value) in changed.items():
+            object.__setattr__(owner, attribute, value)
+        raise TraceError(f"the forward of {name} changes {modules[where]}.{key} ({old!r} -> {new!r}): a graph "
+                         "holds the values read while capturing and would never change them; keep such state in a "
+                         "buffer (torch.Tensor), which the graph updates")
+
+
 def refuse_torchscript(model: torch.nn.Module) -> None:
     """:class:`TraceError` naming the TorchScript modules in ``model`` (outermost only), if any."""
     scripted: list[str] = []

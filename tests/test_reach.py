@@ -522,3 +522,46 @@ def test_sparse_gradients_are_refused_clearly():
     model = nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Flatten(), nn.Linear(80, 4))
     with pytest.raises(fxplan.FxplanError, match="sparse=False"):
         fxplan.rewrite(model, None, example_inputs=(torch.randint(0, 100, (8, 5)),))
+
+
+class _CallCounter(nn.Module):
+    """Counts its calls in a Python attribute and scales its output by a warm-up schedule of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x * min(1.0, self.calls / 10)
+
+
+class _BufferRebound(nn.Module):
+    """Counts its training calls in a buffer it rebinds (not updated in place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.calls = self.calls + 1
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x * torch.clamp(self.calls / 10, max=1.0)
+
+
+def test_state_the_forward_keeps_outside_tensors_is_refused_and_buffers_rebound_are_captured():
+    """A graph would freeze a Python attribute the forward changes (the output's schedule stopped at its first
+    value): refused, the attribute put back. A buffer the forward rebinds is captured by torch.export, which
+    records the new value (symbolic_trace froze it and left the model's buffer changed): exact."""
+    x = torch.randn(8, 16)
+    counter = _CallCounter()
+    with pytest.raises(fxplan.TraceError, match=r"_CallCounter\.calls \(0 -> 1\)"):
+        fxplan.rewrite(counter, None, example_inputs=(x,))
+    assert counter.calls == 0
+    assert_rewrite_exact(_BufferRebound(), (x,), None)
