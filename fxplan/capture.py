@@ -43,9 +43,9 @@ from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 from fxplan.guards import (
     check_hooks,
     checked_for_host_draws,
+    checked_for_python_state,
     custom_functions_refused,
     own_checkpoints,
-    python_state_refused,
     refuse_torchscript,
     tensor_hooks_refused,
 )
@@ -205,8 +205,8 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
 
     def once() -> Captured:
         try:
-            with python_state_refused(model, type(model).__name__):
-                gm = symbolic_trace_module(model)
+            gm = checked_for_python_state(model, type(model).__name__, lambda: symbolic_trace_module(model),
+                                          lambda gm: gm)
             _check_arguments(model, gm, call)
             return _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
         except TraceError as fx_error:
@@ -433,8 +433,8 @@ def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
     fake_model = fake_copy(model, fake_mode)
     fake_args, fake_kwargs = to_fake((args, kwargs), fake_mode)
     try:
-        with python_state_refused(fake_model, type(model).__name__):
-            ep = _export(fake_model, fake_args, fake_kwargs)
+        ep = checked_for_python_state(fake_model, type(model).__name__,
+                                      lambda: _export(fake_model, fake_args, fake_kwargs), lambda ep: ep.module())
     except _UnsupportedOutput as exc:
         # A key/value cache is an inference object a graph cannot return; Hugging Face's own gradient
         # checkpointing turns it off in training. The graph computes exactly what the call computes

@@ -33,37 +33,60 @@ if TYPE_CHECKING:
 logger = logging.getLogger("fxplan")
 
 
+def checked_for_python_state(model: torch.nn.Module, name: str, capture_once: Callable[[], Any],
+                             graph_of: Callable[[Any], fx.GraphModule]) -> Any:
+    """``capture_once()`` (running ``model``'s forward), checked for plain attributes of its modules that the
+    forward sets to new values (a number, string or flag: ``self.calls += 1``, a schedule's step): a graph holds
+    the values read while capturing. Where the forward sets any, it is captured once more from the values the
+    first capture left: the same graph (the forward resets the attribute before reading it) is kept; another one
+    is refused with :class:`TraceError`, as the model's next call would read new values the graph never would.
+    The attributes are put back either way. A module's ``training`` flag is left to ``train()``."""
+    with _plain_attributes_set(model) as changed:
+        first = capture_once()
+    if not changed:
+        return first
+    try:
+        for (owner, attribute), (_, last) in changed.items():  # as the forward left them (export puts them back)
+            object.__setattr__(owner, attribute, last)
+        with _plain_attributes_set(model):
+            again = capture_once()
+        same = _same_graph(graph_of(first), graph_of(again))
+    finally:
+        for (owner, attribute), (value, _) in changed.items():
+            object.__setattr__(owner, attribute, value)
+    if not same:
+        names = {id(m): n or name for n, m in model.named_modules()}
+        (owner, attribute), (old, _) = next(iter(changed.items()))
+        raise TraceError(f"the forward of {name} changes {names[id(owner)]}.{attribute} (from {old!r}), and a graph "
+                         "holds the values read while capturing: two captures gave different graphs, so the model's "
+                         "next call would compute what the graph never would; keep such state in a buffer "
+                         "(torch.Tensor), which the graph updates")
+    return first
+
+
 @contextlib.contextmanager
-def python_state_refused(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """Raise :class:`TraceError` if the block (a capture running ``model``'s forward) sets a plain attribute of
-    one of its modules to a new value (a number, string or flag: ``self.calls += 1``, a schedule's step): a graph
-    holds the values read while capturing and never changes them, where the model's next call would read new
-    ones. The attributes are put back. A module's ``training`` flag is left to ``train()``."""
+def _plain_attributes_set(model: torch.nn.Module) -> Iterator[dict[tuple[torch.nn.Module, str], tuple[Any, Any]]]:
+    """(module, attribute) -> (the value before the block, the last value the block set), for each plain
+    attribute of ``model``'s modules that the block sets to another value."""
     plain = (bool, int, float, str)
-    modules = {id(m): n or name for n, m in model.named_modules()}
-    changed: dict[tuple[int, str], tuple[torch.nn.Module, Any]] = {}
+    modules = {id(m) for m in model.modules()}
+    changed: dict[tuple[torch.nn.Module, str], Any] = {}
     original = torch.nn.Module.__setattr__
 
     def setattr_seen(module: torch.nn.Module, key: str, value: Any) -> None:
         old = module.__dict__.get(key)
-        if (id(module) in modules and key != "training" and isinstance(old, plain) and old is not value
+        if (module, key) in changed:
+            changed[module, key] = changed[module, key][0], value
+        elif (id(module) in modules and key != "training" and isinstance(old, plain) and old is not value
                 and old != value):
-            changed.setdefault((id(module), key), (module, old))
+            changed[module, key] = old, value
         original(module, key, value)
 
     torch.nn.Module.__setattr__ = setattr_seen
     try:
-        yield
+        yield changed
     finally:
         torch.nn.Module.__setattr__ = original
-    if changed:
-        (where, key), (module, old) = next(iter(changed.items()))
-        new = module.__dict__.get(key)
-        for (_, attribute), (owner, value) in changed.items():
-            object.__setattr__(owner, attribute, value)
-        raise TraceError(f"the forward of {name} changes {modules[where]}.{key} ({old!r} -> {new!r}): a graph "
-                         "holds the values read while capturing and would never change them; keep such state in a "
-                         "buffer (torch.Tensor), which the graph updates")
 
 
 def refuse_torchscript(model: torch.nn.Module) -> None:
@@ -252,9 +275,9 @@ def tensor_hooks_refused(model: torch.nn.Module) -> Iterator[None]:
                          "hook to plan the model")
 
 
-#: autograd.Function classes whose backward is what autograd would compute without them (checkpoint's
-#: recomputation): captured through, they change no gradient.
-TRANSPARENT_FUNCTIONS = ("torch.utils.checkpoint.",)
+#: autograd.Function classes that a capture keeps whole or that change no gradient: torch.library custom ops'
+#: (torch.export records the op, whose registered autograd runs), and checkpoint's own (its backward recomputes).
+TRANSPARENT_FUNCTIONS = ("torch.utils.checkpoint.", "torch._library.")
 
 
 @contextlib.contextmanager
