@@ -369,6 +369,13 @@ class _LocatingTracer(fx.Tracer):
         return super().create_node(kind, target, args, kwargs, name, type_expr)
 
 
+    def call_module(self, m, forward, args, kwargs):
+        self.fxplan_path.append(self.path_of_module(m) or type(m).__name__)
+        out = super().call_module(m, forward, args, kwargs)
+        self.fxplan_path.pop()
+        return out
+
+
 def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:
     """``function.apply(*args, **kwargs)``: a captured call of a ``torch.autograd.Function``, which runs its own
     backward."""
@@ -379,12 +386,6 @@ def _grad_and_autocast_modes() -> tuple:
     """Grad mode, inference mode and autocast's state (enabled, dtype) on the CPU and CUDA."""
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
-
-    def call_module(self, m, forward, args, kwargs):
-        self.fxplan_path.append(self.path_of_module(m) or type(m).__name__)
-        out = super().call_module(m, forward, args, kwargs)
-        self.fxplan_path.pop()
-        return out
 
 
 def _check_call(model: torch.nn.Module, call: ExampleCall) -> None:
