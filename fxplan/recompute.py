@@ -84,6 +84,7 @@ class BufferGuard:
                 buf = mod._buffers[name]
                 self.snapshot[id(buf)] = buf.detach().clone()
         self.mutated: list[int] = []
+        self._recomputations: list[tuple[list, list]] = []  # per recomputation running: (others, swapped)
 
     def finish(self) -> list[str]:
         """Record the buffers the forward mutated; return the keys of those not known beforehand.
@@ -102,11 +103,11 @@ class BufferGuard:
         return [self.slots[i][0] for i in found]
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """``context_fn`` for checkpoint: nothing around the forward, the guard around recomputation."""
-        return contextlib.nullcontext(), EachEntry(self._recomputing)
+        """``context_fn`` for checkpoint: nothing around the forward, the guard around recomputation (entered
+        once per backward that needs the segment: twice for a double backward)."""
+        return contextlib.nullcontext(), self
 
-    @contextlib.contextmanager
-    def _recomputing(self) -> Iterator[None]:
+    def __enter__(self) -> None:
         mutated = set(self.mutated)
         others = [
             (key, mod._buffers[name], _version(mod._buffers[name]))
@@ -123,19 +124,20 @@ class BufferGuard:
                 copies[id(real)] = source.detach().clone()
             mod._buffers[name] = copies[id(real)]
             swapped.append((mod, name, real))
-        try:
-            yield
-        finally:
-            for mod, name, real in reversed(swapped):
-                mod._buffers[name] = real
-            for key, buf, version in others:
-                if _version(buf) != version:
-                    warnings.warn(
-                        f"fxplan: buffer {key!r} was mutated while recomputing a segment but not "
-                        "in its forward; recomputation may have changed model state",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+        self._recomputations.append((others, swapped))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        others, swapped = self._recomputations.pop()
+        for mod, name, real in reversed(swapped):
+            mod._buffers[name] = real
+        for key, buf, version in others:
+            if _version(buf) != version:
+                warnings.warn(
+                    f"fxplan: buffer {key!r} was mutated while recomputing a segment but not "
+                    "in its forward; recomputation may have changed model state",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
 
 def _version(t: torch.Tensor) -> int:
