@@ -391,8 +391,9 @@ def _nested_plans(names: list[str], rng: random.Random, count: int):
 def test_replay_is_exact_on_flat_and_nested_plans(case, tolerance):
     """To the byte or nearly (the attention's by up to 0.11% in some runs of the suite, not reproduced
     alone; DenseNet's concatenations keep a few gradients of kilobytes a little longer than the replay
-    does: 0.14% on one nested plan since the buffer guard became re-enterable for double backward (session 22),
-    where the fake meter, the real-tensor meter and torch.profiler agree to the byte), on plans whose peaks the replay used to miss (by up to 8.5% on the attention and 0.13% on the
+    does: 0.14% on one nested plan since the buffer guard became re-enterable for double backward (session
+    22), where the fake meter, the real-tensor meter and torch.profiler agree to the byte), on plans whose
+    peaks the replay used to miss (by up to 8.5% on the attention and 0.13% on the
     ResNet): in the backward or the recomputed forward of an attention decomposed into several ops (their
     temporaries come from the trace: ``forward_rise``, ``backward_rise``), through the views ``split``
     returns and the gradients of its outputs (one slot each, not summed), for a checkpoint made during a
