@@ -352,11 +352,8 @@ class _LocatingTracer(fx.Tracer):
             function = self.create_proxy("get_attr", functions[cls], (), {})
             return self.create_proxy("call_function", apply_function, (function, *args), kwargs)
 
-        torch.autograd.Function.apply = classmethod(apply)
-        try:
+        with guards.replaced(torch.autograd.Function, "apply", classmethod(apply)):
             return super().trace(root, concrete_args)
-        finally:
-            torch.autograd.Function.apply = original
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
                     type_expr: Any = None) -> fx.Node:

@@ -33,6 +33,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("fxplan")
 
 
+@contextlib.contextmanager
+def replaced(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` is ``value`` inside the block and what it was before after it: how the checks here watch
+    what a forward calls (``torch.nn.Module.__setattr__``, ``torch.autograd.Function.apply``, ...)."""
+    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def checked_for_python_state(model: torch.nn.Module, name: str, capture_once: Callable[[], Any],
                              graph_of: Callable[[Any], fx.GraphModule]) -> Any:
     """``capture_once()`` (running ``model``'s forward), checked for plain attributes of its modules that the
@@ -82,11 +94,8 @@ def _plain_attributes_set(model: torch.nn.Module) -> Iterator[dict[tuple[torch.n
             changed[module, key] = old, value
         original(module, key, value)
 
-    torch.nn.Module.__setattr__ = setattr_seen
-    try:
+    with replaced(torch.nn.Module, "__setattr__", setattr_seen):
         yield changed
-    finally:
-        torch.nn.Module.__setattr__ = original
 
 
 def refuse_torchscript(model: torch.nn.Module) -> None:
@@ -188,13 +197,10 @@ def own_checkpoints() -> Iterator[list[str]]:
 
         return call
 
-    for name, original in originals.items():
-        setattr(module, name, seeing(name, original))
-    try:
-        yield seen
-    finally:
+    with contextlib.ExitStack() as stack:
         for name, original in originals.items():
-            setattr(module, name, original)
+            stack.enter_context(replaced(module, name, seeing(name, original)))
+        yield seen
 
 
 def checked_for_host_draws(model: torch.nn.Module, capture_once: Callable[[], Captured]) -> Captured:
@@ -263,11 +269,8 @@ def tensor_hooks_refused(model: torch.nn.Module) -> Iterator[None]:
         registered.append(True)
         return original(self, hook)
 
-    torch.Tensor.register_hook = register_hook
-    try:
+    with replaced(torch.Tensor, "register_hook", register_hook):
         yield
-    finally:
-        torch.Tensor.register_hook = original
     if registered:
         raise TraceError(f"the forward of {type(model).__name__} registers a hook on a tensor "
                          "(Tensor.register_hook), which torch.export does not record, so the gradients the hook "
@@ -293,11 +296,8 @@ def custom_functions_refused(model: torch.nn.Module) -> Iterator[None]:
             called.append(f"{cls.__module__}.{cls.__qualname__}")
         return original.__get__(None, cls)(*args, **kwargs)
 
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
+    with replaced(torch.autograd.Function, "apply", classmethod(apply)):
         yield
-    finally:
-        torch.autograd.Function.apply = original
     if called:
         raise TraceError(
             f"the forward of {type(model).__name__} calls {sorted(set(called))[0]}"

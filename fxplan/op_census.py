@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from fxplan.effects import written_arguments
-from fxplan.scratch import Figures, call_figures, output_storages, refuse_unstrided
+from fxplan.scratch import Figures, call_figures, output_storages
 from fxplan.timecost import op_kind, op_traffic
 
 
@@ -69,7 +69,6 @@ class NewStorages(TorchDispatchMode):
         """The op's outputs, at the real kernel's sizes, and the scratch its kernel held beside them
         (:mod:`fxplan.scratch`)."""
         figures = call_figures(func, args, kwargs)
-        refuse_unstrided(outputs)
         self._note_new(outputs, figures)
         self.peak_bytes = max(self.peak_bytes, self.current + figures.scratch)
 

@@ -358,20 +358,35 @@ def test_forward_hooks_with_side_effects_are_warned_of(caplog):
     assert not stored  # what the warning says
 
 
-class _OwnGenerator(nn.Module):
+class _Chain(nn.Module):
+    """Linear layers with ReLU, ``after(i, x)`` applied to each layer's output: the models below differ there.
+    ``traceable=False`` adds a shape test that symbolic_trace cannot take, so torch.export captures the model."""
+
+    def __init__(self, width: int, depth: int, traceable: bool = True):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+        self.traceable = traceable
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            if self.traceable or x.shape[0] > 1:
+                x = self.after(i, x)
+        return x
+
+    def after(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _OwnGenerator(_Chain):
     """Masks drawn from a torch.Generator of its own, which checkpoint does not keep (only the default ones)."""
 
     def __init__(self, traceable: bool):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(6)])
-        self.gen, self.traceable = torch.Generator().manual_seed(0), traceable
+        super().__init__(32, 6, traceable)
+        self.gen = torch.Generator().manual_seed(0)
 
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-            if self.traceable or x.shape[0] > 1:  # a shape test: symbolic_trace stops, export captures
-                x = x * (torch.rand(x.shape, generator=self.gen) > 0.2)
-        return x
+    def after(self, i, x):
+        return x * (torch.rand(x.shape, generator=self.gen) > 0.2)
 
 
 @pytest.mark.parametrize("traceable", [True, False], ids=["symbolic_trace", "torch.export"])
@@ -384,21 +399,18 @@ def test_a_generator_of_the_models_own_draws_the_same_in_recomputation(traceable
     assert optimized.fxplan_plan.num_segments > 1
 
 
-class _NoGradRegion(nn.Module):
+class _NoGradRegion(_Chain):
     """A statistic taken under torch.no_grad() in forward: symbolic_trace would record its ops with grad."""
 
     def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(6)])
+        super().__init__(32, 6)
 
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = torch.relu(layer(x))
-            if i == 2:
-                with torch.no_grad():
-                    scale = x.abs().mean() + 1
-                x = x / scale
-        return x
+    def after(self, i, x):
+        if i != 2:
+            return x
+        with torch.no_grad():
+            scale = x.abs().mean() + 1
+        return x / scale
 
 
 def test_a_no_grad_region_in_forward_is_captured_with_its_grad_mode():
@@ -407,16 +419,13 @@ def test_a_no_grad_region_in_forward_is_captured_with_its_grad_mode():
     assert_rewrite_exact(_NoGradRegion(), (torch.randn(64, 32),), None)
 
 
-class _TensorHook(nn.Module):
+class _TensorHook(_Chain):
     def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+        super().__init__(32, 4)
 
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = torch.relu(layer(x))
-            if i == 1 and x.requires_grad:
-                x.register_hook(lambda g: g * 3)
+    def after(self, i, x):
+        if i == 1 and x.requires_grad:
+            x.register_hook(lambda g: g * 3)
         return x
 
 
@@ -436,18 +445,12 @@ class _ReverseGradient(torch.autograd.Function):
         return -grad
 
 
-class _WithOwnBackward(nn.Module):
+class _WithOwnBackward(_Chain):
     def __init__(self, traceable: bool):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(6)])
-        self.traceable = traceable
+        super().__init__(16, 6, traceable)
 
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = torch.relu(layer(x))
-            if i == 2 and (self.traceable or x.shape[0] > 1):  # a shape test: symbolic_trace stops, export captures
-                x = _ReverseGradient.apply(x)
-        return x
+    def after(self, i, x):
+        return _ReverseGradient.apply(x) if i == 2 else x
 
 
 def test_an_autograd_function_with_its_own_backward_is_called_or_refused():
