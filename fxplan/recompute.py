@@ -323,38 +323,23 @@ def _metering_host_memory(args: tuple, kwargs: dict) -> bool:
     return first is not None and first.device.type == "cpu"
 
 
-class EachEntry:
-    """A context manager made anew by ``factory`` at every entry: checkpoint enters its recomputation context
-    once per backward that needs the segment's values (twice for a double backward, a gradient penalty, or a
-    graph backpropagated twice), and a generator-based one can be entered only once."""
-
-    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager]) -> None:
-        self._factory = factory
-        self._entered: list[contextlib.AbstractContextManager] = []
-
-    def __enter__(self) -> Any:
-        self._entered.append(self._factory())
-        return self._entered[-1].__enter__()
-
-    def __exit__(self, *exc_info: Any) -> Any:
-        return self._entered.pop().__exit__(*exc_info)
-
-
 class GeneratorStates:
     """A checkpoint's contexts that also keep the states of generators the segment's ops draw from by argument
     (:meth:`Segment.own_generators`), as checkpoint keeps the default ones': their states when the forward
-    starts are set for the recomputation, which then draws the forward's numbers, and the states it found are
-    put back after it, so the generators go on as in a step without recomputation."""
+    starts are set for each recomputation, which then draws the forward's numbers, and the states it found are
+    put back after it, so the generators go on as in a step without recomputation. The object is the
+    recomputation context, entered once per backward that needs the segment (as :class:`BufferGuard`)."""
 
     def __init__(self, generators: list[torch.Generator], forward: Any, recompute: Any) -> None:
         self.generators, self._forward, self._recompute = generators, forward, recompute
         self.states: list[torch.Tensor] = []
+        self._found: list[list[torch.Tensor]] = []  # per recomputation running: the states it found
 
     @classmethod
     def contexts(cls, generators: list[torch.Generator], inner: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
         """``context_fn`` for checkpoint: ``inner()``'s contexts, with the generators' states kept around them."""
         keeper = cls(generators, *inner())
-        return keeper._forwarding(), EachEntry(keeper._recomputing)
+        return keeper._forwarding(), keeper
 
     @contextlib.contextmanager
     def _forwarding(self) -> Iterator[None]:
@@ -362,16 +347,17 @@ class GeneratorStates:
         with self._forward:
             yield
 
-    @contextlib.contextmanager
-    def _recomputing(self) -> Iterator[None]:
-        found = [g.get_state() for g in self.generators]
+    def __enter__(self) -> Any:
+        self._found.append([g.get_state() for g in self.generators])
         for g, state in zip(self.generators, self.states):
             g.set_state(state)
+        return self._recompute.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
         try:
-            with self._recompute:
-                yield
+            return self._recompute.__exit__(*exc_info)
         finally:
-            for g, state in zip(self.generators, found):
+            for g, state in zip(self.generators, self._found.pop()):
                 g.set_state(state)
 
 

@@ -500,12 +500,17 @@ def test_draws_that_change_no_graph_are_let_through_with_a_warning(caplog):
     assert_rewrite_exact(_LayerDropAtZero(), (torch.randn(8, 16),), None)
 
 
-def test_a_gradient_penalty_backpropagates_twice_through_recomputed_segments_exactly():
+@pytest.mark.parametrize("generators", ["default", "own"])
+def test_a_gradient_penalty_backpropagates_twice_through_recomputed_segments_exactly(generators):
     """A double backward (WGAN-GP's gradient penalty) recomputes each segment once per backward: the buffer
-    guard's and the generators' recomputation contexts are entered twice, and the gradients equal the model's."""
+    guard's and the generators' recomputation contexts are entered twice (the default generators', and those
+    of a model's own), and the gradients equal the model's."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Dropout(0.1))
-                            for _ in range(5)], nn.Linear(32, 1)).train()
+    if generators == "default":
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Dropout(0.1))
+                                for _ in range(5)], nn.Linear(32, 1)).train()
+    else:
+        model = _OwnGenerator(traceable=True)
     reference, x = copy.deepcopy(model), torch.randn(64, 32)
     optimized = fxplan.rewrite(model, None, example_inputs=(x,))
     assert optimized.fxplan_plan.num_segments > 1
