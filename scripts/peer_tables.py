@@ -10,6 +10,8 @@ Rows (per network, real tensors on ``--device``: CUDA when present, else the CPU
   class among modules with two or more children: Bottleneck, _DenseLayer, GPT2Block) under non-reentrant
   ``torch.utils.checkpoint`` (:func:`fxplan.peers.block_checkpoint_peer`); ``blocks-selective``: the same
   with selective activation checkpointing, keeping convolution and matrix-product outputs;
+* ``hf-checkpointing``: a Hugging Face model's own ``gradient_checkpointing_enable()`` (non-reentrant;
+  :func:`fxplan.peers.hf_checkpointing_peer`), on transformers models only;
 * ``torch.compile@F``: :func:`fxplan.peers.compile_peer` at ``activation_memory_budget`` F (0.5, 0.25);
 * ``fxplan-smallest``: ``fxplan.rewrite(model, None)``, the smallest peak fxplan reaches;
   ``fxplan-middle``: the time-centric plan at the budget halfway between that peak and vanilla's;
@@ -63,7 +65,7 @@ from fxplan.timing import (
 
 MiB = 2**20
 DEFAULT_BATCH = {"resnet50": 8, "densenet161": 4}
-PEERS = ("blocks", "blocks-selective")
+PEERS = ("blocks", "blocks-selective", "hf-checkpointing")
 CPU = torch.device("cpu")
 HEADER = ("row", "budget", "peak MiB", "fake-meter MiB", "vs vanilla", "step s", "ratio to vanilla (IQR)",
           "planning s", "dominated by")
@@ -100,8 +102,9 @@ def build_rows(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.T
     rows = [Row("vanilla", "baseline", peers.vanilla(model))]
     for name in PEERS:
         if name in wanted:
-            rows.append(_built(name, "peer", lambda s=name: (peers.block_checkpoint_peer(
-                model, block, selective=s == "blocks-selective"), None), log))
+            row = _built(name, "peer", lambda s=name: (_peer(model, s, block), None), log)
+            if not row.note.startswith(peers.NotApplicable.__name__):
+                rows.append(row)
     for f in compile_budgets:
         if f"torch.compile@{f:g}" in wanted:
             rows.append(_built(f"torch.compile@{f:g}", "peer", lambda f=f: _compiled(model, f, inputs, loss_fn, device),
@@ -167,6 +170,13 @@ def _built(name: str, family: str, build: Callable[[], tuple[nn.Module, float | 
         kind = "no plan fits" if isinstance(exc, BudgetError) else type(exc).__name__
         return Row(name, family, note=f"{kind}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
     return Row(name, family, module, plan_seconds=seconds)
+
+
+def _peer(model: nn.Module, name: str, block: str | None) -> nn.Module:
+    """One of ``PEERS`` made from ``model``; :class:`fxplan.peers.NotApplicable` where it does not apply."""
+    if name == "hf-checkpointing":
+        return peers.hf_checkpointing_peer(model)
+    return peers.block_checkpoint_peer(model, block, selective=name == "blocks-selective")
 
 
 def _compiled(model: nn.Module, fraction: float, inputs: tuple, loss_fn,
