@@ -148,6 +148,8 @@ def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) ->
     except DATA_DEPENDENT as exc:
         raise data_dependent_error(exc, f"the captured graph of {type(model).__name__} (at node "
                                         f"'{propagator.current}')", TraceError) from exc
+    except FxplanError:  # fxplan's own refusal: its message says what to do, whole
+        raise
     except Exception as exc:  # anything the model's own code raises on these inputs
         node = propagator.current
         raise TraceError(f"running the captured graph on the example inputs failed at node '{node}' "

@@ -147,6 +147,13 @@ def test_an_op_whose_kept_buffer_a_fake_meter_cannot_size_is_refused():
         measure_step(_CudnnLstmCall(), (torch.randn(5, 2, 8),), fake=True)
 
 
+def test_the_refusal_reaches_a_rewrite_whole():
+    """Planning meets the op in the trace's fake step: the refusal's whole message, the way out at its end, reaches
+    the caller (an H100 run showed it cut at 300 characters inside a TraceError about the example inputs)."""
+    with pytest.raises(fxplan.FxplanError, match=r"fake=False\)\)"):
+        fxplan.rewrite(_CudnnLstmCall(), None, example_inputs=(torch.randn(5, 2, 8),))
+
+
 def test_the_physical_floor_counts_kernel_scratch_and_stays_below_the_peaks(resnet):
     from fxplan.floor import physical_floor
 
