@@ -28,7 +28,7 @@ import inspect
 import logging
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -502,8 +502,10 @@ def _masks_as_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, An
     and key/value heads repeated before the call: the same values forward, but gradients summed in another
     order, which differ in the last bits on some CPUs (an AMD EPYC here; not on the Intel Xeon of earlier
     runs). The skip stays off wherever a padding mask is given (its values are not known while tracing:
-    ``is_tracing`` sees to that), so the decision depends only on shapes, on which the graph specialises
-    anyway.
+    ``is_tracing(mask)`` sees to that), so the decision depends only on shapes, on which the graph specialises
+    anyway. Older transformers (5.17) ask ``is_tracing(padding_mask)`` alone, True for a missing mask too while
+    exporting: there it answers for the mask given, and False for none. On CUDA the explicit mask also costs
+    time: GPT-2 small's efficient-attention kernels took 1.8x as long with it (H100, session 23).
 
     The same holds for the search for packed sequences (several sequences in one row, told apart by
     ``position_ids`` that restart): eager, it finds none when the positions run on, and skips the mask; under
@@ -514,20 +516,26 @@ def _masks_as_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, An
     loaded.
     """
     masking = sys.modules.get("transformers.masking_utils")
-    held = getattr(masking, "is_torchdynamo_exporting", None)
-    if held is None:
+    if masking is None:
         yield
         return
-    held_search = getattr(masking, "find_packed_sequence_indices", None)
-    masking.is_torchdynamo_exporting = lambda: False
-    if held_search is not None and not _gives_position_ids(model, args, kwargs):
-        masking.find_packed_sequence_indices = lambda position_ids: None
+    held = {name: getattr(masking, name) for name in ("is_torchdynamo_exporting", "is_tracing",
+                                                      "find_packed_sequence_indices") if hasattr(masking, name)}
+    eager: dict[str, Callable] = {}
+    if "is_torchdynamo_exporting" in held:  # newer transformers: exporting vetoes the skip
+        eager["is_torchdynamo_exporting"] = lambda: False
+    if "is_tracing" in held:  # older ones (5.17): is_tracing(mask) is True while exporting, whatever the mask
+        traced = held["is_tracing"]
+        eager["is_tracing"] = lambda tensor=None: tensor is not None and traced(tensor)
+    if "find_packed_sequence_indices" in held and not _gives_position_ids(model, args, kwargs):
+        eager["find_packed_sequence_indices"] = lambda position_ids: None
+    for name, value in eager.items():
+        setattr(masking, name, value)
     try:
         yield
     finally:
-        masking.is_torchdynamo_exporting = held
-        if held_search is not None:
-            masking.find_packed_sequence_indices = held_search
+        for name, value in held.items():
+            setattr(masking, name, value)
 
 
 def _gives_position_ids(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:

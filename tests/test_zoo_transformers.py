@@ -178,3 +178,25 @@ def test_a_transformer_with_its_own_gradient_checkpointing_is_rewritten_exactly(
         module(**inputs).loss.backward()
     for (name, a), b in zip(reference.named_parameters(), optimized.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_decoder_captured_without_a_padding_mask_calls_attention_as_eager_does():
+    # Eager, transformers skips a causal mask its shapes make redundant and calls SDPA with is_causal=True;
+    # under torch.export it builds the mask, and its test of "exporting" changed between releases (5.17 asks
+    # is_tracing(padding_mask), 5.24 is_torchdynamo_exporting()). On an H100 the explicit mask made GPT-2's
+    # attention kernels 1.8x slower. A padding mask given keeps the mask: its values decide.
+    import transformers
+
+    from fxplan.capture import capture
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 50, (2, 16))
+    for inputs, masked in (({"input_ids": ids}, False),
+                           ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, True)):
+        graph = capture(model, inputs).gm.graph
+        calls = [n for n in graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+        assert len(calls) == 2
+        for node in calls:
+            mask, causal = node.args[3], (node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal"))
+            assert (mask is not None) == masked and bool(causal) != masked, (inputs.keys(), node.args)
