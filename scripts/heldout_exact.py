@@ -1,10 +1,11 @@
 """Exactness on held-out real models: the checks of tests/reach_checks.py at two budgets.
 
-Usage: python scripts/heldout_exact.py [NAME ...]   (default: both models below)
+Usage: python scripts/heldout_exact.py [NAME ...] [--device cuda]   (default: both models below, on the CPU)
 
 Models outside the zoo and the tests, random initialisation: ``timm:mobilenetv3_small_050`` (BatchNormAct,
 hard-swish, squeeze-excitation; batch 4, 64x64) and ``hf:qwen2`` (a 2-layer Qwen2ForCausalLM with
-grouped-query attention, hidden size 32, batch 2 of 16 tokens, its own loss). Each is rewritten with no
+grouped-query attention, hidden size 32, batch 2 of 16 tokens, its own loss), ``hf:gpt2`` (2 layers, width 64,
+dropout 0.1 in attention and MLP, batch 2 of 32 tokens, its own loss). Each is rewritten with no
 budget (the smallest peak) and at the middle of its budget range; for each plan: the user's model is
 unchanged by planning, outputs, every parameter gradient and every buffer are bitwise equal to the
 original's over two training steps and in eval mode, the measured peak is within the budget (fake and
@@ -46,19 +47,35 @@ def qwen2() -> tuple[torch.nn.Module, Any]:
     return transformers.Qwen2ForCausalLM(config), {"input_ids": ids, "labels": ids}
 
 
+def gpt2() -> tuple[torch.nn.Module, Any]:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=97, n_positions=64)
+    ids = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
+
+
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
-    "timm:mobilenetv3_small_050": mobilenet, "hf:qwen2": qwen2}
+    "timm:mobilenetv3_small_050": mobilenet, "hf:qwen2": qwen2, "hf:gpt2": gpt2}
 
 
-def check(name: str) -> None:
+def on(device: torch.device, model: torch.nn.Module, inputs: Any) -> tuple[torch.nn.Module, Any]:
+    """The model and its inputs moved to ``device``."""
+    moved = {k: v.to(device) for k, v in inputs.items()} if isinstance(inputs, dict) else \
+        tuple(t.to(device) for t in inputs)
+    return model.to(device), moved
+
+
+def check(name: str, device: torch.device) -> None:
     make = MODELS[name]
-    model, inputs = make()
+    model, inputs = on(device, *make())
     start = time.perf_counter()
     vanilla = fxplan.measure_step(model, inputs, fake=True, loss_fn=loss_of).peak_bytes
     budget = None
     for _ in range(2):  # the smallest peak (budget None), then halfway from it to vanilla's
         opt = assert_rewrite_exact(model, inputs, budget)
-        fresh, _ = make()
+        fresh, _ = on(device, *make())
         fresh.load_state_dict(opt.state_dict())
         assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in opt.state_dict().items())
         plan = opt.fxplan_plan
@@ -73,12 +90,14 @@ def check(name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(MODELS)} (default: all)")
-    names = parser.parse_args().names or list(MODELS)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    names = args.names or list(MODELS)
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     for name in names:
-        check(name)
+        check(name, torch.device(args.device))
 
 
 if __name__ == "__main__":
