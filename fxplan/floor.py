@@ -39,7 +39,7 @@ from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
 from fxplan.measure import default_loss, existing_grads, fresh_autocast_cache
-from fxplan.scratch import scratch_bytes
+from fxplan.scratch import scratch_bytes, storage_bytes
 
 
 @dataclass
@@ -83,14 +83,13 @@ class _OpWorkingSets(TorchDispatchMode):
         working: dict[int, int] = {}
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor):
-                s = leaf.untyped_storage()
-                working[s._cdata] = s.nbytes()
+                working[leaf.untyped_storage()._cdata] = storage_bytes(leaf)
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                s = leaf.untyped_storage()
-                if s._cdata not in working:
-                    self.created[s._cdata] = len(self.ops)
-                working[s._cdata] = s.nbytes()
+                key = leaf.untyped_storage()._cdata
+                if key not in working:
+                    self.created[key] = len(self.ops)
+                working[key] = storage_bytes(leaf)
         self.ops.append((str(func), self.backward, working, scratch_bytes(func, args, kwargs or {})))
         return out
 
@@ -114,7 +113,7 @@ def physical_floor(model: torch.nn.Module, example_inputs: Sequence[Any], *,
         resident: dict[int, int] = {}
         for t in [*fm.parameters(), *fm.buffers(), *existing_grads(fm), *tree_leaves(fi)]:
             if isinstance(t, torch.Tensor):
-                resident[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+                resident[t.untyped_storage()._cdata] = storage_bytes(t)
         with fresh_autocast_cache(), rec:
             out = fm(*fi[0], **fi[1])
             loss = loss_fn(out)
@@ -127,7 +126,7 @@ def physical_floor(model: torch.nn.Module, example_inputs: Sequence[Any], *,
         for t in held:
             key = t.untyped_storage()._cdata
             if key not in resident and key in rec.created:
-                held_since[key] = (t.untyped_storage().nbytes(), rec.created[key])
+                held_since[key] = (storage_bytes(t), rec.created[key])
         del out, loss, held
     base = sum(resident.values())
     best: Floor | None = None

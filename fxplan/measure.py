@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 from fxplan.fakes import DATA_DEPENDENT, data_dependent_error, fake_copy, fake_mode_of, has_fake, to_fake
-from fxplan.scratch import call_figures, output_storages
+from fxplan.scratch import call_figures, output_storages, storage_bytes
 
 GiB = 1024**3
 MiB = 1024**2
@@ -65,18 +65,18 @@ class StorageTracker(TorchDispatchMode):
 
     def register(self, tensor: torch.Tensor, category: str) -> None:
         """Count an existing tensor's storage under ``category`` (once per storage)."""
-        self._add(tensor.untyped_storage(), category)
+        self._add(tensor.untyped_storage(), category, storage_bytes(tensor))
 
     def record_timeline(self) -> None:
         """Keep (op name, live bytes) after every op, for memory-timeline plots."""
         self.timeline = []
 
-    def _add(self, storage: torch.UntypedStorage, category: str, nbytes: int | None = None) -> None:
-        """Count ``storage`` (``nbytes``: the real kernel's size where a fake one differs, :mod:`fxplan.scratch`)."""
+    def _add(self, storage: torch.UntypedStorage, category: str, nbytes: int) -> None:
+        """Count ``storage`` as ``nbytes`` (what the device's allocator takes for it, the real kernel's size where a
+        fake one differs: :mod:`fxplan.scratch`)."""
         key = storage._cdata
         if key in self._live:
             return
-        nbytes = storage.nbytes() if nbytes is None else nbytes
         serial = next(self._serials)
         self._live[key] = (nbytes, category, serial)
         self._by_category[category] = self._by_category.get(category, 0) + nbytes
@@ -323,8 +323,7 @@ def resident_bytes(model: torch.nn.Module, inputs) -> int:
     tensors = [*model.parameters(), *existing_grads(model), *model.buffers(),
                *[t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]]
     for t in tensors:
-        s = t.untyped_storage()
-        seen[s._cdata] = s.nbytes()
+        seen[t.untyped_storage()._cdata] = storage_bytes(t)
     return sum(seen.values())
 
 

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from fxplan.effects import written_arguments
-from fxplan.scratch import Figures, call_figures, output_storages
+from fxplan.scratch import Figures, call_figures, output_storages, storage_bytes
 from fxplan.timecost import op_kind, op_traffic
 
 
@@ -78,7 +78,7 @@ class NewStorages(TorchDispatchMode):
             key = storage._cdata
             if key not in self._live and key not in self._old:
                 self._old.add(key)
-                weakref.finalize(storage, self._release_old, key, storage.nbytes())
+                weakref.finalize(storage, self._release_old, key, storage_bytes(t))
 
     def _note_new(self, outputs: list[torch.Tensor], figures: Figures) -> None:
         for storage, nbytes in output_storages(figures, outputs):

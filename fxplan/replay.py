@@ -53,6 +53,7 @@ from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
 from fxplan.measure import default_loss, device_of, resident_bytes, track_memory
 from fxplan.recompute import host_rng_state_bytes
+from fxplan.scratch import charged_bytes, storage_bytes
 from fxplan.subplans import Block
 
 
@@ -154,7 +155,8 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
                     params.append(value)
                 elif isinstance(value, torch.nn.Module):
                     params += value.parameters()
-        param_grads[node.name] = tuple((id(p), p.numel() * p.element_size()) for p in params if p.requires_grad)
+        param_grads[node.name] = tuple((id(p), charged_bytes(p.numel() * p.element_size(), p.device))
+                                       for p in params if p.requires_grad)
         mutated = effects.mutated_arg(node, gm)
         source = effects.view_source(node, gm)
         if mutated is not None:
@@ -205,7 +207,7 @@ def probe_loss(cg: CostGraph, loss_fn: Callable[[Any], torch.Tensor] | None = No
         grads: dict[int, int] = {}  # the gradients as the loss hands them over (before .grad copies them)
 
         def seen(g: torch.Tensor) -> None:
-            grads[g.untyped_storage()._cdata] = g.untyped_storage().nbytes()
+            grads[g.untyped_storage()._cdata] = storage_bytes(g)
 
         for t in leaves:
             t.register_hook(seen)
@@ -215,7 +217,7 @@ def probe_loss(cg: CostGraph, loss_fn: Callable[[Any], torch.Tensor] | None = No
             held = tracker.current_bytes - before
             loss.backward()
             peak = tracker.peak_bytes - before
-    total = sum(t.untyped_storage().nbytes() for t in leaves)
+    total = sum(storage_bytes(t) for t in leaves)
     return LossCost(sum(grads.values()) / total if total else 0.0, held, peak)
 
 

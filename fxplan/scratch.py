@@ -116,17 +116,39 @@ def call_figures(func: Any, args: tuple, kwargs: dict) -> Figures:
     return _MEASURED[key]
 
 
+CUDA_BLOCK_BYTES = 512
+
+
+def charged_bytes(nbytes: int, device: torch.device | None) -> int:
+    """The bytes a device's allocator takes for a request of ``nbytes``. CUDA's caching allocator rounds every
+    request up to a multiple of :data:`CUDA_BLOCK_BYTES` (its smallest block) and ``max_memory_allocated``
+    counts the rounded blocks: on a 2-layer Qwen2 of width 32 that was 7.7% above the requested bytes (H100).
+    The CPU's allocator is charged the request itself (torch.profiler reports requests there)."""
+    if device is not None and device.type == "cuda" and nbytes:
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return nbytes
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    """What ``t``'s storage takes on ``t``'s device (:func:`charged_bytes`; a fake tensor's storage is on the
+    meta device, the tensor on the one it stands for)."""
+    return charged_bytes(t.untyped_storage().nbytes(), t.device)
+
+
 def output_storages(figures: Figures, outputs: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, int]]:
     """The storages of a call's tensor outputs (in order, once each) with the bytes to count for each: its own,
     or, where larger, what the real kernel's outputs on it held (a fake kernel may return one storage for two
-    outputs the real one makes apart: oneDNN's LSTM backward, its two bias gradients)."""
+    outputs the real one makes apart: oneDNN's LSTM backward, its two bias gradients), as the device's
+    allocator charges them (:func:`charged_bytes`)."""
     refuse_unstrided(outputs)
-    counted: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    counted: dict[int, tuple[torch.UntypedStorage, int, torch.device]] = {}
     for i, t in enumerate(outputs):
         storage = t.untyped_storage()
-        _, real = counted.get(storage._cdata, (storage, 0))
-        counted[storage._cdata] = storage, real + (figures.output_bytes[i] if i < len(figures.output_bytes) else 0)
-    return [(storage, max(real, storage.nbytes())) for storage, real in counted.values()]
+        _, real, _ = counted.get(storage._cdata, (storage, 0, t.device))
+        counted[storage._cdata] = (storage, real + (figures.output_bytes[i] if i < len(figures.output_bytes) else 0),
+                                   t.device)
+    return [(storage, charged_bytes(max(real, storage.nbytes()), device))
+            for storage, real, device in counted.values()]
 
 
 def refuse_unstrided(tensors: list[torch.Tensor]) -> None:

@@ -57,6 +57,7 @@ from fxplan.errors import FxplanError, TraceError
 from fxplan.fakes import DATA_DEPENDENT, data_dependent_error, fake_copy, fake_mode_of, to_fake
 from fxplan.measure import fresh_autocast_cache
 from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
+from fxplan.scratch import charged_bytes, storage_bytes
 from fxplan.timecost import T_SECONDS, TIME_MODELS, device_speed, measure_seconds
 
 logger = logging.getLogger("fxplan")
@@ -223,7 +224,7 @@ class _CostPropagator(torch.fx.Interpreter):
         self.fake_mode = fake_mode
         self.records: dict[str, _NodeRecord] = {}
         self.current = ""
-        self.param_bytes = sum(p.numel() * p.element_size() for p in gm.parameters())
+        self.param_bytes = sum(charged_bytes(p.numel() * p.element_size(), p.device) for p in gm.parameters())
         self.input_bytes = 0
         self.resident_keys = {t.untyped_storage()._cdata for t in [*gm.parameters(), *gm.buffers()]}
         self.buffer_names = buffer_names(gm)
@@ -235,7 +236,7 @@ class _CostPropagator(torch.fx.Interpreter):
     def placeholder(self, target, args, kwargs):
         value = super().placeholder(target, args, kwargs)
         for t in tensors(value):
-            self.input_bytes += t.numel() * t.element_size()
+            self.input_bytes += charged_bytes(t.numel() * t.element_size(), t.device)
             self.resident_keys.add(t.untyped_storage()._cdata)
         return value
 
@@ -250,8 +251,7 @@ class _CostPropagator(torch.fx.Interpreter):
                           for t in tensors(self.env.get(a))}
 
         def pack(t: torch.Tensor):
-            s = t.untyped_storage()
-            record.saved_storages.setdefault(s._cdata, s.nbytes())
+            record.saved_storages.setdefault(t.untyped_storage()._cdata, storage_bytes(t))
             return t
 
         record.call = self.fetch_args_kwargs_from_env(n)
@@ -269,7 +269,7 @@ class _CostPropagator(torch.fx.Interpreter):
         record.device = next((t.device for t in tensors((out, record.call))), None)
         for t in tensors(out):
             key = t.untyped_storage()._cdata
-            record.out_bytes += t.numel() * t.element_size()
+            record.out_bytes += charged_bytes(t.numel() * t.element_size(), t.device)
             record.numel += t.numel()
             record.out_storages.add(key)
             if key in input_storages:
