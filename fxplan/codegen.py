@@ -93,16 +93,30 @@ class SegmentedModule(fx.GraphModule):
             return self._fxplan_graph_forward(*args, **kwargs)
         original.training = self.training
         if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
+            return self._run_original(original, args, kwargs)
         why = interface.mismatch(original, args, kwargs)
         if why is not None:
             if self.training and why not in self._fxplan_warned:
                 self._fxplan_warned.add(why)
                 logger.warning("fxplan: %s runs its original forward, without recomputation, for this call: "
                                "%s. Rewrite it for this call to plan it.", self._get_name(), why)
-            return original(*args, **kwargs)
+            return self._run_original(original, args, kwargs)
         graph_args, graph_kwargs = interface.graph_inputs(args, kwargs)
         return interface.output(self._fxplan_graph_forward(*graph_args, **graph_kwargs))
+
+    def _run_original(self, original: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``original(*args, **kwargs)`` on this module's state. Submodules are the same objects; the root's own
+        parameters and buffers are entries of two dicts, so a forward that rebinds one (``self.count =
+        self.count + 1``, in eval mode too) would change the original's alone: the original is given this
+        module's entries before the call and this module takes back the original's after it."""
+        shared = ((self._parameters, original._parameters), (self._buffers, original._buffers))
+        for mine, theirs in shared:
+            theirs.update({name: mine[name] for name in theirs if name in mine})
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for mine, theirs in shared:
+                mine.update({name: theirs[name] for name in theirs if name in mine})
 
     def unplanned_reason(self, *args: Any, **kwargs: Any) -> str | None:
         """Why a training call with these arguments would run the original forward instead of the plan

@@ -548,7 +548,7 @@ class _CallCounter(nn.Module):
 
 
 class _BufferRebound(nn.Module):
-    """Counts its training calls in a buffer it rebinds (not updated in place)."""
+    """Counts its calls, in training and in eval mode, in a buffer it rebinds (not updated in place)."""
 
     def __init__(self):
         super().__init__()
@@ -556,8 +556,7 @@ class _BufferRebound(nn.Module):
         self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):
-        if self.training:
-            self.calls = self.calls + 1
+        self.calls = self.calls + 1
         for layer in self.layers:
             x = torch.relu(layer(x))
         return x * torch.clamp(self.calls / 10, max=1.0)
@@ -583,7 +582,8 @@ def test_state_the_forward_keeps_outside_tensors_is_refused_and_buffers_rebound_
     """A graph would freeze a Python attribute the forward changes (the output's schedule stopped at its first
     value): two captures differ, refused, the attribute put back. One the forward sets before it reads it gives
     the same graph twice: exact. A buffer the forward rebinds is captured by torch.export, which records the
-    new value (symbolic_trace froze it and left the model's buffer changed): exact."""
+    new value (symbolic_trace froze it and left the model's buffer changed): exact, in eval mode too (the
+    original forward that eval calls run rebound the original's buffer alone before session 23)."""
     x = torch.randn(8, 16)
     assert_rewrite_exact(_ScratchAttribute(), (x,), None)
     counter = _CallCounter()
