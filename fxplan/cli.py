@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxplan.console import Progress, format_table
 from fxplan.errors import FxplanError, TraceError
+from fxplan.fakes import FakeMode
 from fxplan.measure import GiB, MiB, measure_step
 from fxplan.methods import DEFAULT_COMPILE_BUDGETS, DEFAULT_CURVE_POINTS
 
@@ -78,7 +78,7 @@ def load_model(name: str, batch_size: int | None, input_size: int | None, *, rea
     if real:
         inputs = entry.example_inputs(batch_size=batch_size, input_size=input_size)
     else:
-        with FakeTensorMode():
+        with FakeMode():
             inputs = entry.example_inputs(batch_size=batch_size, input_size=input_size)
     return entry, model, inputs
 

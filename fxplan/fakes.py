@@ -33,7 +33,40 @@ def fake_mode_of(model: torch.nn.Module, inputs) -> FakeTensorMode:
         if isinstance(t, FakeTensor):
             return t.fake_mode
     # Real tensors met while measuring (labels a loss_fn closes over, masks) are converted, not refused.
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return FakeMode(allow_non_fake_inputs=True)
+
+
+def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """(shape, dtype, device) of ``aten._grouped_mm`` where PyTorch's meta kernel refuses the call and the CPU
+    kernel runs it (float32: transformers' mixture-of-experts layers, Mixtral and Qwen2-MoE, call it so on the
+    CPU); None where the meta kernel applies. The CPU kernel's output is contiguous."""
+    if mat_a.dtype in (torch.bfloat16, torch.float16):
+        return None
+    shapes = {(2, 3): (mat_a.shape[0], mat_b.shape[-1]),                    # tokens x experts' weights
+              (3, 3): (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1]),    # batched
+              (2, 2): ((offs.shape[0] if offs is not None else 1), mat_a.shape[0], mat_b.shape[-1]),  # over K
+              (3, 2): (mat_a.shape[1], mat_b.shape[-1])}                    # over N
+    shape = shapes.get((mat_a.dim(), mat_b.dim()))
+    return None if shape is None else (shape, out_dtype or mat_a.dtype, mat_a.device)
+
+
+# ATen ops whose real kernels take calls their fake kernels refuse: the op, and the output it gives then
+_MISSING_FAKE_KERNELS = {torch.ops.aten._grouped_mm.default: _grouped_mm_output}
+
+
+class FakeMode(FakeTensorMode):
+    """The fake tensor mode fxplan makes: PyTorch's, with the fake kernels it lacks for calls its real kernels
+    run (:data:`_MISSING_FAKE_KERNELS`). Fake tensors of a mode the caller made are measured in that mode."""
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        fill = _MISSING_FAKE_KERNELS.get(func)
+        output = fill(*args, **(kwargs or {})) if fill is not None else None
+        if output is None:
+            return super().dispatch(func, types, args, kwargs)
+        shape, dtype, device = output
+        return self.fake_tensor_converter.from_meta_and_device(self, torch.empty(shape, dtype=dtype, device="meta"),
+                                                               device)
 
 
 def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:

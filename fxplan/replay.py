@@ -45,12 +45,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan import effects, scratch, subplans
 from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
+from fxplan.fakes import FakeMode
 from fxplan.measure import default_loss, device_of, resident_bytes, track_memory
 from fxplan.recompute import host_rng_state_bytes
 from fxplan.scratch import charged_bytes, storage_bytes
@@ -200,7 +201,7 @@ def probe_loss(cg: CostGraph, loss_fn: Callable[[Any], torch.Tensor] | None = No
     loss_fn = loss_fn or default_loss
     example = cg.graph["example_output"]
     fakes = [t for t in tree_leaves(example) if isinstance(t, FakeTensor)]
-    fake_mode = fakes[0].fake_mode if fakes else FakeTensorMode(allow_non_fake_inputs=True)
+    fake_mode = fakes[0].fake_mode if fakes else FakeMode(allow_non_fake_inputs=True)
     with fake_mode, torch.enable_grad():
         out = tree_map(lambda t: t.detach().requires_grad_() if _is_float(t) else t, example)
         leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]

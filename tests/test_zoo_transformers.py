@@ -200,3 +200,26 @@ def test_a_decoder_captured_without_a_padding_mask_calls_attention_as_eager_does
         for node in calls:
             mask, causal = node.args[3], (node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal"))
             assert (mask is not None) == masked and bool(causal) != masked, (inputs.keys(), node.args)
+
+
+def test_a_mixture_of_experts_is_measured_on_fake_tensors_as_on_real_ones():
+    # transformers' MoE layers call aten._grouped_mm in float32 on the CPU, which PyTorch's CPU kernel runs and
+    # its meta kernel refused (bfloat16 and float16 only): measure_step(fake=True) of Mixtral raised.
+    import transformers
+
+    from fxplan.floor import physical_floor
+    from fxplan.measure import measure_step_profiler
+
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 97, (2, 16))
+    inputs, loss = {"input_ids": ids, "labels": ids}, (lambda out: out.loss)
+    fake = measure_step(model, inputs, fake=True, loss_fn=loss).peak_bytes
+    assert fake == measure_step(model, inputs, loss_fn=loss).peak_bytes
+    # the profiler's own count: at most a few small gradients fewer (docs/user-guide.md: gradients accumulated
+    # in place without a dispatch mode), never more
+    assert 0 <= fake - measure_step_profiler(model, inputs, loss_fn=loss).peak_bytes <= 4096
+    assert physical_floor(model, inputs, loss_fn=loss).bytes <= fake
