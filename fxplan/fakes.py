@@ -92,7 +92,27 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
         for value in vars(m).values():
             if isinstance(value, torch.Generator):
                 memo[id(value)] = value
-    return copy.deepcopy(model, memo)
+    return model_copy(model, memo)
+
+
+def model_copy(model: torch.nn.Module, memo: dict[int, Any] | None = None) -> torch.nn.Module:
+    """``copy.deepcopy(model, memo)``, or an :class:`FxplanError` naming the tensor attribute that cannot be
+    copied: a tensor computed from parameters and kept on a module (the old ``torch.nn.utils.weight_norm`` and
+    ``spectral_norm`` keep ``weight`` so), which ``deepcopy`` refuses with a RuntimeError of its own."""
+    try:
+        return copy.deepcopy(model, memo)
+    except RuntimeError as exc:
+        computed = [f"{name or type(model).__name__}.{attr}" for name, m in model.named_modules()
+                    for attr, value in vars(m).items()
+                    if isinstance(value, torch.Tensor) and not value.is_leaf]
+        if not computed or "deepcopy" not in str(exc):
+            raise
+        raise FxplanError(
+            f"fxplan copies the model to trace and measure it, and {', '.join(computed[:3])} "
+            f"{'is a tensor' if len(computed) == 1 else 'are tensors'} computed from parameters and kept on the "
+            "module, which copy.deepcopy refuses (torch.nn.utils.weight_norm and spectral_norm keep the weight "
+            "so). Use torch.nn.utils.parametrizations.weight_norm / spectral_norm instead, which fxplan plans "
+            "exactly") from exc
 
 
 def _fake_parameter(p: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:

@@ -13,7 +13,6 @@ On CUDA, :func:`measure_step` reads the caching allocator's statistics instead.
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import time
 import weakref
@@ -28,7 +27,15 @@ from torch.utils._pytree import tree_leaves
 
 from fxplan.capture import as_call
 from fxplan.errors import FxplanError
-from fxplan.fakes import DATA_DEPENDENT, data_dependent_error, fake_copy, fake_mode_of, has_fake, to_fake
+from fxplan.fakes import (
+    DATA_DEPENDENT,
+    data_dependent_error,
+    fake_copy,
+    fake_mode_of,
+    has_fake,
+    model_copy,
+    to_fake,
+)
 from fxplan.scratch import call_figures, output_storages, storage_bytes
 
 GiB = 1024**3
@@ -233,7 +240,7 @@ def measure_fake(model: torch.nn.Module, inputs: tuple[tuple, dict[str, Any]], f
 
 def real_copy(model: torch.nn.Module) -> torch.nn.Module:
     """``copy.deepcopy(model)`` with the parameters' ``.grad`` copied too (deepcopy drops them)."""
-    out = copy.deepcopy(model)
+    out = model_copy(model)
     for p, q in zip(model.parameters(), out.parameters()):
         if p.grad is not None and q.grad is None:
             q.grad = p.grad.detach().clone()

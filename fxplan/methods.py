@@ -14,7 +14,6 @@ at the budget P of the way from the smallest feasible peak to vanilla's (0 = sma
 from __future__ import annotations
 
 import contextlib
-import copy
 import signal
 import threading
 import time
@@ -27,6 +26,7 @@ from torch.utils._pytree import tree_map
 
 from fxplan import peers
 from fxplan.errors import FxplanError
+from fxplan.fakes import model_copy
 from fxplan.measure import GiB, measure_step
 
 #: fxplan's methods: row name -> (strategy, solver). ``chen`` is Chen et al.'s plan (strategy ignored).
@@ -131,7 +131,7 @@ def _hf_checkpointing(ctx: Context) -> Prepared:
 
 def real_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """A copy of ``module`` on ``device`` for real steps."""
-    return copy.deepcopy(module).to(device)
+    return model_copy(module).to(device)
 
 
 def _compiled(fraction: float) -> Callable[[Context], Prepared]:

@@ -591,3 +591,20 @@ def test_state_the_forward_keeps_outside_tensors_is_refused_and_buffers_rebound_
         fxplan.rewrite(counter, None, example_inputs=(x,))
     assert counter.calls == 0
     assert_rewrite_exact(_BufferRebound(), (x,), None)
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*deprecated")
+def test_weight_norm_kept_as_a_computed_tensor_is_refused_and_its_parametrization_is_exact():
+    """The old torch.nn.utils.weight_norm keeps the weight as a tensor computed from parameters, which
+    copy.deepcopy refuses with a RuntimeError of its own: an FxplanError names it and the way out, the
+    parametrizations API (spectral_norm's power-iteration buffers included), which fxplan rewrites exactly."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    x = torch.randn(8, 16)
+    old = nn.Sequential(nn.utils.weight_norm(nn.Linear(16, 16)), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(fxplan.FxplanError, match=r"0\.weight is a tensor computed .*parametrizations"):
+        fxplan.rewrite(old, None, example_inputs=(x,))
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(16, 16)), nn.ReLU(), spectral_norm(nn.Linear(16, 16)), nn.ReLU(),
+                          nn.Linear(16, 4))
+    assert_rewrite_exact_at_two_budgets(model, (x,))
