@@ -453,7 +453,7 @@ class Search:
         if strategy == "memory" or budget_bytes is None:
             best = self.lowest()
             if budget_bytes is not None and best.measured > budget_bytes:
-                raise self.infeasible(budget_bytes, best)
+                raise self.infeasible(budget_bytes, best.measured)
             limit = best.measured if strategy == "memory" else math.floor(best.measured * (1 + NEGLIGIBLE))
             fits = [best, self._nested_fit(limit)] + ([] if strategy == "memory" else [self.least_recompute(limit)])
             found = min((c for c in fits if c is not None), key=lambda c: (c.recompute, c.peak))
@@ -463,12 +463,12 @@ class Search:
             lowest = self.lowest()
             found = self._nested_fit(budget_bytes) or lowest
             if found.peak > budget_bytes:
-                raise self.infeasible(budget_bytes, found)
+                raise self.infeasible(budget_bytes, lowest.measured)
             found = self._confirmed(found, budget_bytes, budget_bytes, strategy)
         return found
 
-    def infeasible(self, budget_bytes: int, best: Candidate) -> BudgetError:
-        smallest = best.measured
+    def infeasible(self, budget_bytes: int, smallest: int) -> BudgetError:
+        """The :class:`BudgetError` for ``budget_bytes``, ``smallest`` the least measured peak found."""
         if self.solver == "chen":
             whose = "Chen's plans reach (solver='chen', the paper's baseline; the DP solvers may reach lower)"
         else:

@@ -183,9 +183,10 @@ class Searches:
         regions = self._guarded(lambda: other.search.lowest().measured) if other else None
         return plain if regions is None else min(plain, regions)
 
-    def choose(self, budget_bytes: int | None, strategy: str) -> Choice:
+    def choose(self, budget_bytes: int | None, strategy: str, *, report_smallest: bool = True) -> Choice:
         """The choice for a whole-step budget (bytes; None: the smallest) and strategy (module docstring);
-        BudgetError with the smaller of the two smallest peaks where neither search fits."""
+        BudgetError where no search fits, with the smallest measured peak fxplan reaches
+        (:meth:`_smallest_feasible`) when ``report_smallest``, else the smaller of the searches' lowest."""
         if budget_bytes is not None and strategy != "memory" and self._regions:
             found = self._cheapest_canonical(budget_bytes)
             if found is not None:
@@ -198,13 +199,30 @@ class Searches:
         outcomes = [plain] + ([outcome] if outcome is not None else [])
         fits = [o for o in outcomes if isinstance(o, Choice)]
         if not fits:
-            raise min(outcomes, key=lambda e: e.min_feasible_bytes or math.inf)
+            error = min(outcomes, key=lambda e: e.min_feasible_bytes or math.inf)
+            raise self._smallest_feasible(budget_bytes, strategy, error) if report_smallest else error
         if strategy == "memory":
             return min(fits, key=lambda c: (c.measured, c.cost))
         if budget_bytes is None:
             limit = math.floor(min(c.measured for c in fits) * (1 + NEGLIGIBLE))
             fits = [c for c in fits if c.measured <= limit]
         return min(fits, key=lambda c: c.cost)
+
+    def _smallest_feasible(self, budget_bytes: int | None, strategy: str, error: BudgetError) -> BudgetError:
+        """``error``, or, where the plan ``fxplan.rewrite(model, None)`` returns peaks lower than it says (a
+        nested plan below the searches' lowest canonical one: a 2-layer BART, 2,140,928 bytes against
+        2,150,720), the same refusal with that peak, once a budget of that many bytes is seen to be accepted
+        (what the message promises)."""
+        if budget_bytes is None:
+            return error
+        try:
+            smallest = self.choose(None, strategy).measured
+            if error.min_feasible_bytes is not None and smallest >= error.min_feasible_bytes:
+                return error
+            self.choose(smallest, strategy, report_smallest=False)
+        except BudgetError:
+            return error
+        return self.plain.search.infeasible(budget_bytes, smallest)
 
     def _cheapest_canonical(self, budget_bytes: int) -> Choice | None:
         """The canonical plan (no nesting) of least cost that fits the budget over the captured graph and the
