@@ -452,8 +452,11 @@ class Search:
         check_choices(strategy, "approx")
         if strategy == "memory" or budget_bytes is None:
             best = self.lowest()
-            if budget_bytes is not None and best.measured > budget_bytes:
-                raise self.infeasible(budget_bytes, best.measured)
+            if budget_bytes is not None and best.measured > budget_bytes:  # a nested plan may still fit
+                nested = self._nested_fit(budget_bytes)
+                if nested is None:
+                    raise self.infeasible(budget_bytes, best.measured)
+                return self._confirmed(nested, budget_bytes, budget_bytes, strategy)
             limit = best.measured if strategy == "memory" else math.floor(best.measured * (1 + NEGLIGIBLE))
             fits = [best, self._nested_fit(limit)] + ([] if strategy == "memory" else [self.least_recompute(limit)])
             found = min((c for c in fits if c is not None), key=lambda c: (c.recompute, c.peak))
