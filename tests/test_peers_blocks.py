@@ -192,15 +192,15 @@ def test_peer_table_smoke_on_a_tiny_model():
 
 
 def test_peer_table_has_hugging_face_checkpointing_rows_for_a_transformer():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from models_zoo import hf
+
     script = _script()
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=32)
-    model = transformers.GPT2LMHeadModel(config).train()
-    inputs = (torch.randint(0, 50, (2, 16)),)
+    entry = hf.tiny_entry("gpt2_small")
     wanted = ["hf-checkpointing", "fxplan@hf-checkpointing"]
-    rows, _ = script.peer_table(model, inputs, lambda out: out.logits.sum(), wanted=wanted, rounds=1, threads=1,
-                                log=lambda s: None)
+    rows, _ = script.peer_table(entry.build().train(), entry.example_inputs(2, 16), entry.loss, wanted=wanted,
+                                rounds=1, threads=1, log=lambda s: None)
     by_name = {r.name: r for r in rows}
     assert [r.name for r in rows] == ["vanilla", *wanted]
     assert by_name["hf-checkpointing"].module is not None, by_name["hf-checkpointing"].note

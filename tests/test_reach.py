@@ -532,50 +532,51 @@ def test_sparse_gradients_are_refused_clearly():
         fxplan.rewrite(model, None, example_inputs=(torch.randint(0, 100, (8, 5)),))
 
 
-class _CallCounter(nn.Module):
+class _CallCounter(_Chain):
     """Counts its calls in a Python attribute and scales its output by a warm-up schedule of it."""
 
     def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        super().__init__(16, 4)
         self.calls = 0
 
     def forward(self, x):
         self.calls += 1
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x * min(1.0, self.calls / 10)
+        return super().forward(x) * min(1.0, self.calls / 10)
+
+    def after(self, i, x):
+        return x
 
 
-class _BufferRebound(nn.Module):
+class _BufferRebound(_Chain):
     """Counts its calls, in training and in eval mode, in a buffer it rebinds (not updated in place)."""
 
     def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        super().__init__(16, 4)
         self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x):
         self.calls = self.calls + 1
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x * torch.clamp(self.calls / 10, max=1.0)
+        return super().forward(x) * torch.clamp(self.calls / 10, max=1.0)
+
+    def after(self, i, x):
+        return x
 
 
-class _ScratchAttribute(nn.Module):
+class _ScratchAttribute(_Chain):
     """Sets an attribute before reading it in every call (as Hugging Face's Funnel does): no state across calls."""
 
     def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        super().__init__(16, 4)
         self.scale = 1.0
 
     def forward(self, x):
         self.scale = 2.0
-        for layer in self.layers:
-            x = torch.relu(layer(x)) * self.scale
+        x = super().forward(x)
         self.scale = 1.0
         return x
+
+    def after(self, i, x):
+        return x * self.scale
 
 
 def test_state_the_forward_keeps_outside_tensors_is_refused_and_buffers_rebound_are_captured():

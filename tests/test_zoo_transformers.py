@@ -185,13 +185,11 @@ def test_a_decoder_captured_without_a_padding_mask_calls_attention_as_eager_does
     # under torch.export it builds the mask, and its test of "exporting" changed between releases (5.17 asks
     # is_tracing(padding_mask), 5.24 is_torchdynamo_exporting()). On an H100 the explicit mask made GPT-2's
     # attention kernels 1.8x slower. A padding mask given keeps the mask: its values decide.
-    import transformers
-
     from fxplan.capture import capture
 
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=64)
-    model = transformers.GPT2LMHeadModel(config).train()
-    ids = torch.randint(0, 50, (2, 16))
+    entry = hf.tiny_entry("gpt2_small")
+    model = entry.build().train()
+    (ids,) = entry.example_inputs(2, 16)
     for inputs, masked in (({"input_ids": ids}, False),
                            ({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, True)):
         graph = capture(model, inputs).gm.graph
