@@ -207,7 +207,7 @@ class _PortableGraph:
         self.codegen = graph._codegen
         self.nodes = [
             (node.op, node.name, _portable_target(node.target),
-             fx.node.map_arg((node.args, node.kwargs), lambda arg: _NodeName(arg.name)), node.type)
+             fx.node.map_aggregate((node.args, node.kwargs), _portable_argument), node.type)
             for node in graph.nodes
         ]
 
@@ -216,7 +216,8 @@ class _PortableGraph:
         graph._codegen = self.codegen
         made: dict[str, fx.Node] = {}
         for op, name, target, arguments, type_ in self.nodes:
-            args, kwargs = fx.node.map_aggregate(arguments, lambda a: made[a.name] if isinstance(a, _NodeName) else a)
+            args, kwargs = fx.node.map_aggregate(arguments, lambda a: made[a.name] if isinstance(a, _NodeName) else
+                                                 a.resolve() if isinstance(a, _OperatorName) else a)
             if isinstance(target, (_OperatorName, _FunctionName)):
                 target = target.resolve()
             made[name] = graph.create_node(op, target, args, kwargs, name, type_)
@@ -228,6 +229,16 @@ class _PortableGraph:
 @dataclasses.dataclass(frozen=True)
 class _NodeName:
     name: str
+
+
+def _portable_argument(arg: Any) -> Any:
+    """A node's argument as pickle can save it: another node by name, an operator (the op a saver of
+    :mod:`fxplan.recomputed_inputs` runs) by its name."""
+    if isinstance(arg, fx.Node):
+        return _NodeName(arg.name)
+    if isinstance(arg, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return _OperatorName.of(arg)
+    return arg
 
 
 def _portable_target(target: Any) -> Any:

@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fxplan.recomputed_inputs import PREFIX as UNIT_PREFIX, Unit
+
 
 def _fmt_bytes(b: float) -> str:
     if abs(b) >= 1 << 30:
@@ -74,8 +76,10 @@ class Plan:
                             "measured" of :func:`fxplan.trace.trace`: 1e-6); None when T is FLOPs or the
                             paper's units. Then :attr:`predicted_extra_seconds` says what the plan costs
     ``regions``             the convolutions that keep their output while the BatchNorm, ReLU (and concatenation)
-                            in front of them are recomputed in backward (:mod:`fxplan.regions`), by node name;
-                            empty when the plan runs on the graph as captured
+                            in front of them are recomputed in backward (:mod:`fxplan.regions`), by node name, or
+                            the units of cheap values recomputed in the backward of the nodes that keep them
+                            (:mod:`fxplan.recomputed_inputs`, named ``inputs:...``); empty when the plan runs on
+                            the graph as captured
     ``region_recompute_fraction`` the part of ``recompute_fraction`` those regions recompute
     """
 
@@ -156,10 +160,16 @@ class Plan:
                            f"{_fmt_seconds(self.total_T * self.T_seconds)})")
         lines.append(recomputed)
         if self.regions:
-            share = 100 * self.region_recompute_fraction
-            lines.append(f"  {_count(len(self.regions), 'convolution')} keep their output and recompute the "
-                         f"BatchNorm and ReLU in front of them in backward ({share:.1f}% of a forward pass, "
-                         "included above)")
+            share = f"{100 * self.region_recompute_fraction:.1f}% of a forward pass, included above"
+            units = [r for r in self.regions if r.startswith(UNIT_PREFIX)]
+            if len(units) < len(self.regions):
+                lines.append(f"  {_count(len(self.regions) - len(units), 'convolution')} keep their output and "
+                             f"recompute the BatchNorm and ReLU in front of them in backward ({share})")
+            else:
+                values = {v for u in units for v in Unit.parse(u).dropped}
+                lines.append(f"  {_count(len(values), 'cheap value')} ({', '.join(sorted(values)[:4])}"
+                             f"{', …' if len(values) > 4 else ''}) dropped after the forward pass and recomputed "
+                             f"in the backward of the nodes that keep them ({share})")
         lines += self._segment_lines("  ", top=True)
         return "\n".join(lines)
 

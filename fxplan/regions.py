@@ -27,6 +27,7 @@ between the graph with and without regions is the budget search's (:mod:`fxplan.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -37,6 +38,7 @@ from fxplan.capture import Captured, owning_graph_module
 from fxplan.costgraph import CostGraph
 from fxplan.effects import alias_roots, mutated_arg
 from fxplan.errors import FxplanError
+from fxplan.recomputed_inputs import PREFIX, Unit, parse_checked, saver_node
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -55,6 +57,21 @@ class Region:
     def recomputed(self) -> tuple[str, ...]:
         """The nodes its backward runs again."""
         return (self.norm, self.relu) + ((self.cat,) if self.cat else ())
+
+    @property
+    def removed(self) -> tuple[str, ...]:
+        """The nodes of the captured graph that the graph with this region no longer has."""
+        return self.recomputed
+
+    @property
+    def dropped(self) -> tuple[str, ...]:
+        """The nodes whose values autograd no longer keeps."""
+        return self.recomputed
+
+    @property
+    def replaced(self) -> tuple[str, ...]:
+        """The nodes of the captured graph that run otherwise in the graph with this region."""
+        return (self.conv,)
 
 
 def find_regions(gm: fx.GraphModule) -> list[Region]:
@@ -95,37 +112,55 @@ def _written_after(gm: fx.GraphModule):
     return lambda value, node: last_write.get(roots.get(value, value), -1) > position[node]
 
 
-def with_regions(captured: Captured, regions: list[Region] | list[str]) -> Captured:
-    """A copy of the capture (same modules, same ``state_dict``) with the regions replaced, each by one
-    node named as its convolution was. ``regions``: as :func:`find_regions` gives them for this graph, or the
-    names of their convolutions (a plan's ``regions``); a name that is no region of this graph raises
-    FxplanError."""
+def with_regions(captured: Captured, regions: list) -> Captured:
+    """A copy of the capture (same modules, same ``state_dict``) with the regions replaced: each of this module's
+    by one node named as its convolution was, each unit of recomputed inputs (:mod:`fxplan.recomputed_inputs`)
+    by calls of its savers through :func:`~fxplan.recomputed_inputs.call_recomputing`. ``regions``: as
+    :func:`find_regions` and :func:`~fxplan.recomputed_inputs.find_units` give them for this graph,
+    or their names (a plan's ``regions``); a name that is no region of this graph raises FxplanError."""
     source = captured.gm
-    named = [r for r in regions if isinstance(r, str)]
-    by_conv = {r.conv: r for r in (find_regions(source) if named else regions)}
-    wanted = [r if isinstance(r, str) else r.conv for r in regions]
-    missing = [name for name in wanted if name not in by_conv]
-    if missing:
-        raise FxplanError(f"no recomputed region ends at node(s) {missing[:3]} of this model's graph: the plan "
-                          "was made for another model or version")
-    ends = {name: by_conv[name] for name in wanted}
+    regions = _named_regions(source, regions)
+    ends = {r.conv: r for r in regions if isinstance(r, Region)}
+    units = {name: r for r in regions if isinstance(r, Unit) for name in r.savers}
+    if ends and units:
+        raise FxplanError("fxplan: a graph has convolution regions or recomputed inputs, not both")
     inside = {name for r in ends.values() for name in r.recomputed}
+    nodes = {n.name: n for n in source.graph.nodes}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    recipes: dict[str, Any] = {}
     for node in source.graph.nodes:
         if node.name in ends:
             env[node] = _region_node(graph, node, ends[node.name], env)
+        elif node.name in units:
+            env[node] = saver_node(graph, nodes, units[node.name], node, env, recipes)
         elif node.name not in inside:
             env[node] = graph.node_copy(node, env.__getitem__)
     attributes = {n.target: vars(source)[n.target] for n in graph.nodes
                   if n.op == "get_attr" and n.target in vars(source)}  # what the capture made up
-    draft = owning_graph_module(source, graph, attributes, class_name=type(source).__name__)
-    # the node names a re-trace of the code gives, as torch.load makes them: a rewritten module finds its
-    # segments' nodes again by name after loading
-    gm = owning_graph_module(source, _AllLeaves().trace(draft), attributes, class_name=type(source).__name__)
+    attributes.update(recipes)
+    gm = owning_graph_module(source, graph, attributes, class_name=type(source).__name__)
+    if ends:
+        # the node names a re-trace of the code gives (the region nodes replace several, so the names of
+        # the nodes that follow them would otherwise depend on which regions a graph has)
+        gm = owning_graph_module(source, _AllLeaves().trace(gm), attributes, class_name=type(source).__name__)
     gm.meta.update(source.meta)
     gm.graph.lint()
     return Captured(gm, captured.method, captured.interface)
+
+
+def _named_regions(gm: fx.GraphModule, regions: list) -> list:
+    """``regions`` with names (a plan's) resolved against ``gm``; FxplanError for a name that is no region."""
+    names = [r for r in regions if isinstance(r, str)]
+    if not names:
+        return regions
+    by_conv = {r.conv: r for r in find_regions(gm)}
+    missing = [n for n in names if not n.startswith(PREFIX) and n not in by_conv]
+    if missing:
+        raise FxplanError(f"no recomputed region ends at node(s) {missing[:3]} of this model's graph: the plan "
+                          "was made for another model or version")
+    return [parse_checked(gm, r) if isinstance(r, str) and r.startswith(PREFIX) else by_conv.get(r, r)
+            for r in regions]
 
 
 class _AllLeaves(fx.Tracer):
@@ -140,11 +175,11 @@ def recompute_cost(cg: CostGraph, regions: list[Region]) -> float:
     return float(sum(cg.nodes[name]["T"] for r in regions for name in r.recomputed))
 
 
-def dropped_bytes(cg: CostGraph, region: Region) -> int:
-    """Bytes of the values the region no longer keeps for backward (in the captured graph's cost graph): the
-    outputs of its norm, ReLU and concatenation that have storage of their own (an in-place ReLU's is the
-    norm's)."""
-    return sum(cg.nodes[name]["M"] for name in region.recomputed if cg.nodes[name].get("alias_of") is None)
+def dropped_bytes(cg: CostGraph, region: Region | Unit) -> int:
+    """Bytes of the values the region no longer keeps for backward (in the captured graph's cost graph): of a
+    convolution region, the outputs of its norm, ReLU and concatenation that have storage of their own (an
+    in-place ReLU's is the norm's); of a unit, its dropped values."""
+    return sum(cg.nodes[name]["M"] for name in region.dropped if cg.nodes[name].get("alias_of") is None)
 
 
 def _region_node(graph: fx.Graph, conv: fx.Node, region: Region, env: dict[fx.Node, fx.Node]) -> fx.Node:

@@ -7,7 +7,8 @@ the trace records of a node is the node's own: its output, what its backward sav
 storages it aliases and writes, its backward's rise. Replacing some regions does not change those facts for
 the nodes outside them, and a region node's facts are those it has in the graph with every region. So the
 cost graph of a subset is assembled from the captured graph's trace (nodes outside the subset's regions)
-and the trace of the graph with every region (the subset's region nodes), with names translated: the graph
+and the trace of the graph with every region (the subset's region nodes, and the readers of its recomputed
+inputs), with names translated: the graph
 of each subset names its nodes as a re-trace of its code does (:func:`fxplan.regions.with_regions`), and
 removed nodes shift the numbering of the nodes that share their name (``cat_4`` becomes ``cat_2``).
 
@@ -26,6 +27,7 @@ from fxplan.capture import owning_graph_module
 from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges
 from fxplan.errors import FxplanError
+from fxplan.recomputed_inputs import call_recomputing
 from fxplan.regions import Region, conv_of_recomputed_region, with_regions
 
 #: Graph attributes a trace sets that do not depend on which regions the graph has.
@@ -41,7 +43,7 @@ class SpliceError(FxplanError):
     """The graphs do not line up node for node: trace the graph instead."""
 
 
-def spliced(plain: CostGraph, every: CostGraph, regions: list[Region], subset: list[Region]) -> CostGraph:
+def spliced(plain: CostGraph, every: CostGraph, regions: list, subset: list) -> CostGraph:
     """The cost graph of the model with the regions ``subset`` (some of ``regions``), as
     :func:`fxplan.trace.trace` would give it: ``plain`` is the trace of the captured graph, ``every`` the
     trace of the graph with all of ``regions`` (module docstring). Raises :class:`SpliceError` where the
@@ -52,12 +54,13 @@ def spliced(plain: CostGraph, every: CostGraph, regions: list[Region], subset: l
     like, fake_mode = plain.graph["fake"]
     fake = _fake_twin(gm, like)  # before the marks below: the trace marks the copy it propagated with less
     # names across the graphs: every's -> the source's, this graph's -> the source's, and back
-    from_every = _aligned(source.gm, every_gm, {name for r in regions for name in r.recomputed})
-    to_source = _aligned(source.gm, gm, {name for r in subset for name in r.recomputed})
+    from_every = _aligned(source.gm, every_gm, {name for r in regions for name in r.removed})
+    to_source = _aligned(source.gm, gm, {name for r in subset for name in r.removed})
     into = {src: name for name, src in to_source.items()}
     every_into = {name: into[src] for name, src in from_every.items() if src in into}
     every_name = {src: name for name, src in from_every.items()}
-    origins = {r.conv: (every, every_name[r.conv], every_into, _by_name(every_gm)) for r in subset}
+    every_nodes = _by_name(every_gm)
+    origins = {name: (every, every_name[name], every_into, every_nodes) for r in subset for name in r.replaced}
     plain_origin = (plain, None, into, _by_name(source.gm))
 
     cg = CostGraph()
@@ -101,7 +104,8 @@ def _fake_twin(gm: fx.GraphModule, like: fx.GraphModule) -> fx.GraphModule:
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph.output(graph.graph_copy(gm.graph, {}), type_expr=output.type)
     graph._codegen = copy.deepcopy(gm.graph._codegen)
-    constants = {n.target: vars(like)[n.target] for n in graph.nodes if n.op == "get_attr" and n.target in vars(like)}
+    constants = {n.target: vars(source)[n.target] for n in graph.nodes if n.op == "get_attr"
+                 for source in (gm, like) if n.target in vars(source)}  # like's fakes; gm's recipes
     twin = owning_graph_module(like, graph, constants, class_name=type(gm).__name__)
     twin.meta.update(like.meta)
     return twin
@@ -117,8 +121,8 @@ def _aligned(source: fx.GraphModule, replaced: fx.GraphModule, inside: set[str])
         raise SpliceError(f"the graph with regions has {len(made)} nodes where {len(kept)} were expected")
     names = {}
     for old, new in zip(kept, made):
-        region = new.op == "call_function" and new.target is conv_of_recomputed_region
-        if (old.op, old.target) != (new.op, new.target) and not (region and old.op == "call_module"):
+        region = new.op == "call_function" and new.target in (conv_of_recomputed_region, call_recomputing)
+        if (old.op, old.target) != (new.op, new.target) and not (region and old.op in _COMPUTE):
             raise SpliceError(f"node {new.name} ({new.op} {new.target}) does not line up with {old.name} "
                               f"({old.op} {old.target})")
         names[new.name] = old.name

@@ -16,6 +16,8 @@ through a private fake-tensor copy of the model, one node at a time, to record p
   and the bytes of anything else it keeps (``saved``: BatchNorm statistics, pooling indices, masks);
   ``saves_resident``: whether it also keeps a parameter, buffer or model input (no bytes of its own, but
   where a recomputation that checkpoint stops early ends);
+* ``flops``: the FLOPs ``torch.utils.flop_counter`` counts for the node (matrix products, convolutions,
+  attention; 0 for pointwise ops and norms, which :mod:`fxplan.recomputed_inputs` takes for cheap);
 * ``alias_of``: the predecessor whose storage the output shares (views and in-place ops), else None;
 * ``mutates``: the buffers the node writes in place, seen from the schemas of the ops it runs;
 * ``forward_rise`` and ``backward_rise``: the most bytes of new storages the node's forward and its
@@ -460,6 +462,7 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
             alias_of=owner.get(rec.alias_storage) if rec.alias_storage is not None else None,
             mutates=rec.mutates,
             forward_rise=int(rec.forward_rise),
+            flops=int(rec.flops),
             kind=kind,
             target=_target_name(node),
         )

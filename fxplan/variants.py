@@ -40,6 +40,7 @@ import torch
 from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError
+from fxplan.recomputed_inputs import find_units
 from fxplan.regions import Region, dropped_bytes, find_regions, recompute_cost, with_regions
 from fxplan.search import NEGLIGIBLE, Candidate, Search, replayed_within_trust
 from fxplan.splice import SpliceError, spliced
@@ -106,8 +107,11 @@ class Searches:
         self.plain = Variant(Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn), [])
         captured = cg.graph["captured"]
         # Chen's plans stay the paper's baseline (fxplan.search): no regions for solver="chen"
-        self._regions = find_regions(captured.gm) if captured.method == "symbolic_trace" and solver != "chen" else []
+        self._regions = _regions_of(cg) if solver != "chen" else []
         self._region_T = recompute_cost(cg, self._regions)  # what any plan with regions recomputes, at least
+        # convolution regions lower the smallest peak (DenseNet-161: docs/results.md); units of recomputed inputs
+        # did not (GPT-2: docs/rewrite.md), so only budgets are searched with them
+        self._lowers_floor = any(isinstance(r, Region) for r in self._regions)
         self._with_regions: Variant | None = None
         self._subsets: dict[tuple[str, ...], Variant] = {}  # the graphs with some regions, by their convolutions
 
@@ -179,7 +183,7 @@ class Searches:
     def lowest(self) -> int:
         """The smallest measured peak of either search (bytes)."""
         plain = self.plain.search.lowest().measured
-        other = self.with_regions()
+        other = self.with_regions() if self._lowers_floor else None
         regions = self._guarded(lambda: other.search.lowest().measured) if other else None
         return plain if regions is None else min(plain, regions)
 
@@ -192,8 +196,10 @@ class Searches:
             if found is not None:
                 return found
         plain = _attempt(self.plain, budget_bytes, strategy)
-        needs_more = isinstance(plain, BudgetError) or budget_bytes is None or strategy == "memory" \
-            or self._region_T < plain.cost[0]
+        if budget_bytes is None or strategy == "memory":
+            needs_more = isinstance(plain, BudgetError) or self._lowers_floor
+        else:
+            needs_more = isinstance(plain, BudgetError) or self._region_T < plain.cost[0]
         other = self.with_regions() if needs_more else None
         outcome = self._guarded(lambda: _attempt(other, budget_bytes, strategy)) if other else None
         outcomes = [plain] + ([outcome] if outcome is not None else [])
@@ -273,6 +279,14 @@ class Searches:
     def steps(self) -> int:
         """Plans measured on fake tensors so far, over both graphs (for the log)."""
         return sum(v.search.meter.steps for v in self.variants)
+
+
+def _regions_of(cg: CostGraph) -> list:
+    """The recomputed regions a budget is searched with: the convolution regions of a ``symbolic_trace`` graph
+    (:mod:`fxplan.regions`), else its units of recomputed inputs (:mod:`fxplan.recomputed_inputs`)."""
+    captured = cg.graph["captured"]
+    regions = find_regions(captured.gm) if captured.method == "symbolic_trace" else []
+    return regions or find_units(cg)
 
 
 class _RegionsFailed(Exception):

@@ -145,8 +145,8 @@ def test_a_rewritten_transformer_survives_torch_save_and_load():
     model = entry.build()
     inputs = entry.example_inputs()
     vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
-    optimized = fxplan.rewrite(copy.deepcopy(model), budget_bytes=int(0.95 * vanilla), example_inputs=inputs)
-    assert optimized.fxplan_plan.num_segments > 1
+    optimized = fxplan.rewrite(copy.deepcopy(model), budget_bytes=int(0.8 * vanilla), example_inputs=inputs)
+    assert optimized.fxplan_plan.num_segments > 1 and optimized.fxplan_plan.regions  # segments and recipes
     buffer = io.BytesIO()
     torch.save(optimized, buffer)
     buffer.seek(0)

@@ -1,0 +1,143 @@
+"""Units of recomputed inputs (fxplan.recomputed_inputs): cheap values dropped after the forward pass and made
+again in the backward of the nodes that keep them, exactly, composing with checkpoint, saved and loaded."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint
+
+import fxplan
+from fxplan.errors import FxplanError
+from fxplan.recomputed_inputs import PREFIX, Recipe, Unit, _Slot, call_recomputing, find_units
+from fxplan.regions import with_regions
+from fxplan.trace import trace
+from fxplan.variants import Searches
+from reach_checks import assert_rewrite_exact, loss_of
+
+pytest.importorskip("transformers")
+from models_zoo.hf import HFModel  # noqa: E402
+
+
+def _gpt2(fake: bool = False):
+    """A GPT-2 of 2 layers, width 64, 128 tokens (its activations, not its parameters, decide the peak), and its
+    inputs (fake tensors: ``fake``)."""
+    gpt = HFModel("GPT2Config", "causal-lm", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=128))
+    entry = gpt.entry("gpt2-tiny", 4, 128, "tests", quick_input_size=128)
+    torch.manual_seed(0)
+    model = entry.build().train()
+    if not fake:
+        return model, tuple(entry.example_inputs())
+    with FakeTensorMode():
+        return model, tuple(entry.example_inputs())
+
+
+def _norm_then_linear(x, weight, bias, w):
+    """x -> layer_norm -> linear, the LayerNorm's output recomputed in the linear's backward."""
+    h = F.layer_norm(x, (x.shape[-1],), weight, bias)
+    return call_recomputing(F.linear, (h, w), {}, _norm_recipe(x), (x, weight, bias), (h,))
+
+
+def _norm_recipe(x):
+    return Recipe([(F.layer_norm, (_Slot(0), (x.shape[-1],), _Slot(1), _Slot(2)), {})], (3,))
+
+
+def _leaves():
+    torch.manual_seed(0)
+    return [torch.randn(*shape, requires_grad=True) for shape in ((4, 8, 16), (16,), (16,), (32, 16))]
+
+
+def test_a_recomputed_input_gives_autograds_gradients_bit_for_bit_and_inside_checkpoint_too():
+    expected = _leaves()
+    h = F.layer_norm(expected[0], (16,), expected[1], expected[2])
+    F.linear(h, expected[3]).pow(2).sum().backward()
+    for run in (lambda *a: _norm_then_linear(*a), lambda *a: checkpoint(_norm_then_linear, *a, use_reentrant=False)):
+        leaves = _leaves()
+        run(*leaves).pow(2).sum().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(expected, leaves))
+
+
+def test_the_saver_keeps_the_inputs_not_the_dropped_value():
+    x, weight, bias, w = _leaves()
+    kept = []
+
+    def pack(t):
+        kept.append(t.untyped_storage()._cdata)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = F.layer_norm(x, (16,), weight, bias)
+        call_recomputing(F.linear, (h, w), {}, _norm_recipe(x), (x, weight, bias), (h,))
+    assert h.untyped_storage()._cdata not in kept
+    assert kept.count(x.untyped_storage()._cdata) == 2  # the norm's and, through fxplan's hooks, the linear's
+
+
+def test_an_input_changed_in_place_before_backward_is_an_error():
+    x, weight, bias, w = _leaves()
+    y = _norm_then_linear(x.clone(), weight, bias, w)
+    with torch.no_grad():
+        weight.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        y.sum().backward()
+
+
+def test_gpt2_units_drop_the_norms_and_the_gelus_values_and_the_replay_sees_it():
+    model, fake = _gpt2(fake=True)
+    cg = trace(model, fake)
+    units = find_units(cg)
+    dropped = {cg.nodes[v]["target"] for u in units for v in u.dropped}
+    assert {"layer_norm.default", "mul.Tensor", "add.Tensor"} <= dropped, dropped
+    assert not any(cg.nodes[v]["flops"] for u in units for v in u.recomputed)  # no matrix product runs again
+    searches = Searches(cg, model, fake, solver="approx", loss_fn=loss_of)
+    peaks = []
+    for variant in (searches.plain, searches.with_regions()):
+        first = next(variant.search.by_recompute(True))
+        assert first.recompute == 0
+        peaks.append((variant.search.measure(first), first.replayed))
+    (plain, _), (with_units, replayed) = peaks
+    assert with_units < 0.9 * plain
+    assert abs(replayed - with_units) <= 0.001 * with_units
+
+
+@pytest.mark.parametrize("fraction", [0.95, 0.7])
+def test_gpt2_rewritten_with_units_is_exact_and_fits(fraction):
+    model, inputs = _gpt2()
+    vanilla = fxplan.measure_step(model, inputs, fake=True, loss_fn=loss_of).peak_bytes
+    opt = assert_rewrite_exact(model, inputs, vanilla * fraction / 2**30)
+    plan = opt.fxplan_plan
+    assert any(r.startswith(PREFIX) for r in plan.regions), plan.regions
+    assert "dropped after the forward pass" in plan.summary()
+
+
+def test_a_module_with_units_survives_save_load_deepcopy_and_its_plan_applies_again():
+    model, inputs = _gpt2()
+    vanilla = fxplan.measure_step(model, inputs, fake=True, loss_fn=loss_of).peak_bytes
+    opt = fxplan.rewrite(model, vanilla * 0.95 / 2**30, example_inputs=inputs, loss_fn=loss_of)
+    assert any(r.startswith(PREFIX) for r in opt.fxplan_plan.regions)
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    again = fxplan.rewrite(model, plan=fxplan.Plan.from_json(opt.fxplan_plan.to_json()), example_inputs=inputs,
+                           loss_fn=loss_of)
+    assert again.fxplan_measured_peak_bytes == opt.fxplan_measured_peak_bytes
+    modules = [opt, torch.load(buffer, weights_only=False), copy.deepcopy(opt), again]
+    grads = []
+    for module in modules:
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the same dropout masks
+        loss_of(module(*inputs)).backward()
+        grads.append([p.grad for p in module.parameters()])
+    assert all(torch.equal(a, b) for other in grads[1:] for a, b in zip(grads[0], other))
+
+
+def test_a_plan_naming_units_of_another_graph_is_refused():
+    model, inputs = _gpt2()
+    captured = trace(model, inputs).graph["captured"]
+    unit = Unit(("no_such_node",), ("addmm",), (("no_such_node",),), (("no_such_node",),))
+    with pytest.raises(FxplanError, match="another model or version"):
+        with_regions(captured, [unit.conv])
