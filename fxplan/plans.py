@@ -11,7 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fxplan.recomputed_inputs import PREFIX as UNIT_PREFIX, Unit
+from fxplan.recomputed_inputs import PREFIX as UNIT_PREFIX
+from fxplan.recomputed_inputs import Unit
 
 
 def _fmt_bytes(b: float) -> str:

@@ -28,7 +28,7 @@ from fxplan.costgraph import CostGraph
 from fxplan.effects import ordering_edges
 from fxplan.errors import FxplanError
 from fxplan.recomputed_inputs import call_recomputing
-from fxplan.regions import Region, conv_of_recomputed_region, with_regions
+from fxplan.regions import conv_of_recomputed_region, with_regions
 
 #: Graph attributes a trace sets that do not depend on which regions the graph has.
 _SHARED = ("param_bytes", "input_bytes", "name", "cost_model", "T_seconds", "example_output")

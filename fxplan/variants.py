@@ -105,7 +105,6 @@ class Searches:
                  loss_fn: Callable[[Any], torch.Tensor] | None = None):
         self.model, self.inputs, self.solver, self.loss_fn = model, example_inputs, solver, loss_fn
         self.plain = Variant(Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn), [])
-        captured = cg.graph["captured"]
         # Chen's plans stay the paper's baseline (fxplan.search): no regions for solver="chen"
         self._regions = _regions_of(cg) if solver != "chen" else []
         self._region_T = recompute_cost(cg, self._regions)  # what any plan with regions recomputes, at least

@@ -9,6 +9,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from reach_checks import assert_rewrite_exact, loss_of
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
@@ -18,7 +19,6 @@ from fxplan.recomputed_inputs import PREFIX, Recipe, Unit, _Slot, call_recomputi
 from fxplan.regions import with_regions
 from fxplan.trace import trace
 from fxplan.variants import Searches
-from reach_checks import assert_rewrite_exact, loss_of
 
 pytest.importorskip("transformers")
 from models_zoo.hf import HFModel  # noqa: E402
