@@ -1,9 +1,11 @@
 """One budget search over several graphs of a model: as captured, with its recomputed regions, and with subsets
 of them.
 
-A recomputed region (:mod:`fxplan.regions`) keeps a convolution's output and recomputes the BatchNorm and
-ReLU in front of it in every backward: memory saved at a fixed price, which a budget may not need, or need
-only in part. So the graph with every region is searched as its own model (:class:`fxplan.search.Search`,
+A recomputed region keeps a node's output and recomputes, in every backward, cheap values its backward needs:
+the BatchNorm and ReLU in front of a convolution (:mod:`fxplan.regions`, ``symbolic_trace`` graphs), or, in any
+other graph, a unit of values without FLOPs (a LayerNorm's output, a GELU's products) that matrix products
+and pointwise ops keep (:mod:`fxplan.recomputed_inputs`). Memory saved at a fixed price, which a budget may
+not need, or need only in part. So the graph with every region is searched as its own model (:class:`fxplan.search.Search`,
 its own trace), and so are graphs with some of the regions (``REGION_SUBSETS``: the regions that drop the
 most bytes per unit of recomputation first, each subset's cost graph spliced from the two traces,
 :mod:`fxplan.splice`). The choice spans the searches on one scale, the forward cost recomputed per step
@@ -18,6 +20,9 @@ most bytes per unit of recomputation first, each subset's cost graph spliced fro
 - no budget (the smallest peak): the least recomputation among the two choices (captured graph, every
   region) within :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
 - ``strategy="memory"``: the lower measured peak of those two.
+
+Units of recomputed inputs are searched for budgets only (unless the captured graph fits none): on GPT-2
+their graph's smallest plan was the captured graph's, found in twice the time (docs/rewrite.md).
 
 Each search is monotone in the budget, so the choice is too: a larger budget never recomputes more.
 The smallest measured peak is the lower of the two searches', and that budget is accepted. ``solver="chen"``

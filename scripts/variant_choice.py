@@ -10,7 +10,9 @@ graphs (``Searches.choose``), which may take a graph with some of the regions (`
 script says which graph that is. Every plan's step is then timed interleaved with vanilla's
 (:func:`fxplan.timing.time_interleaved`); the table gives each plan's measured peak as a fraction of
 vanilla's, its recomputation, the predicted extra seconds (``Plan.predicted_extra_seconds``: the ranking
-the choice uses) and the measured step ratio (median and interquartile range of per-round ratios).
+the choice uses) and the measured step ratio (median and interquartile range of per-round ratios;
+``--rounds 0``: no real step, planning on fake tensors only). A model without convolution regions is searched
+with its units of recomputed inputs (:mod:`fxplan.recomputed_inputs`), shown the same way ("regions").
 """
 
 from __future__ import annotations
@@ -73,22 +75,25 @@ def main() -> None:
         taken[fraction] = graph_name(chosen.variant, count)
         if chosen.variant not in whole:
             modules[f"{taken[fraction]}@{fraction:g}"] = chosen.variant.result(chosen.candidate, budget)
-    print(f"{args.name}, batch {args.batch_size}, {args.input_size}²: planned in {time.perf_counter() - start:.1f} s; "
+    print(f"{args.name}, batch {args.batch_size}, input size {args.input_size}: planned in {time.perf_counter() - start:.1f} s; "
           "fxplan.rewrite takes: " + ", ".join(f"{f:g} -> {v}" for f, v in taken.items()), flush=True)
-    with fixed_threads(args.threads):
-        timings = time_interleaved({k: training_step(m, inputs, entry.loss) for k, m in modules.items()},
-                                   baseline="vanilla", rounds=args.rounds, warmup=1,
-                                   on_round=lambda r: print(r, file=sys.stderr, flush=True))
+    timings = {}
+    if args.rounds:
+        with fixed_threads(args.threads):
+            timings = time_interleaved({k: training_step(m, inputs, entry.loss) for k, m in modules.items()},
+                                       baseline="vanilla", rounds=args.rounds, warmup=1,
+                                       on_round=lambda r: print(r, file=sys.stderr, flush=True))
     rows = []
     for key, module in modules.items():
         plan = getattr(module, "fxplan_plan", None)
-        t = timings[key]
         extra = plan.predicted_extra_seconds if plan else None
-        rows.append((key, f"{(plan.measured_peak_bytes if plan else vanilla) / vanilla:.3f}",
-                     f"{plan.recompute_fraction:.1%}" if plan else "0", "-" if extra is None else f"{extra:.3f}",
-                     f"{t.median:.3f}", describe_ratio(t.ratio, *(t.ratio_range or (None, None)))))
-    print(format_table(("plan", "peak / vanilla", "recompute", "extra s predicted", "step s", "ratio to vanilla"),
-                       rows))
+        row = (key, f"{(plan.measured_peak_bytes if plan else vanilla) / vanilla:.3f}",
+               f"{plan.recompute_fraction:.1%}" if plan else "0", "-" if extra is None else f"{extra:.3f}")
+        t = timings.get(key)
+        rows.append(row + ((f"{t.median:.3f}", describe_ratio(t.ratio, *(t.ratio_range or (None, None))))
+                           if t else ()))
+    print(format_table(("plan", "peak / vanilla", "recompute", "extra s predicted")
+                       + (("step s", "ratio to vanilla") if timings else ()), rows))
 
 
 if __name__ == "__main__":

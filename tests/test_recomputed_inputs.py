@@ -141,3 +141,17 @@ def test_a_plan_naming_units_of_another_graph_is_refused():
     unit = Unit(("no_such_node",), ("addmm",), (("no_such_node",),), (("no_such_node",),))
     with pytest.raises(FxplanError, match="another model or version"):
         with_regions(captured, [unit.conv])
+
+
+def test_second_derivatives_through_a_recomputed_input_are_autograds():
+    def gradient_norm(run):
+        leaves = _leaves()
+        grads = torch.autograd.grad(run(*leaves).pow(2).sum(), leaves, create_graph=True)
+        sum(g.pow(2).sum() for g in grads).backward()
+        return [t.grad for t in leaves]
+
+    def plain(x, weight, bias, w):
+        return F.linear(F.layer_norm(x, (16,), weight, bias), w)
+
+    expected, got = gradient_norm(plain), gradient_norm(_norm_then_linear)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(expected, got))
