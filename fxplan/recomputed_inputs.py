@@ -221,7 +221,8 @@ def find_units(cg) -> list[Unit]:
     in graph order (module docstring).
 
     A value joins in graph order where its node is cheap and :func:`recomputable`, its own backward does not
-    keep it, nothing writes it in place, it is not the model's output, every node that saves it can be
+    keep it, nothing writes it or its inputs in place (the recipe runs on them after the forward pass), it is
+    not the model's output, every node that saves it can be
     replaced by a call, and each of its inputs is a parameter, buffer or model input, a value that joined
     before, or one that something saves (so it stays, and keeping it for a saver costs nothing). Units are
     the connected groups of such values, joined where one saver saves values of two."""
@@ -246,7 +247,8 @@ def find_units(cg) -> list[Unit]:
                 members.add(node)
             continue
         d = cg.nodes[node.name]
-        if d["saves_output"] or d.get("flops", 0) or node in written or node in in_output \
+        if d["saves_output"] or d.get("flops", 1) or node in written or node in in_output \
+                or any(roots[a] in written for a in node.all_input_nodes) \
                 or not recomputable(node, gm) or any(s.op not in _COMPUTE for s in savers.get(node, ())):
             continue
         if all(a in members or roots[a].op in ("placeholder", "get_attr")
