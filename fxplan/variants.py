@@ -5,8 +5,8 @@ A recomputed region keeps a node's output and recomputes, in every backward, che
 the BatchNorm and ReLU in front of a convolution (:mod:`fxplan.regions`, ``symbolic_trace`` graphs), or, in any
 other graph, a unit of values without FLOPs (a LayerNorm's output, a GELU's products) that matrix products
 and pointwise ops keep (:mod:`fxplan.recomputed_inputs`). Memory saved at a fixed price, which a budget may
-not need, or need only in part. So the graph with every region is searched as its own model (:class:`fxplan.search.Search`,
-its own trace), and so are graphs with some of the regions (``REGION_SUBSETS``: the regions that drop the
+not need, or need only in part. So the graph with every region is searched as its own model
+(:class:`fxplan.search.Search`, its own trace), and so are graphs with some of the regions (``REGION_SUBSETS``: the regions that drop the
 most bytes per unit of recomputation first, each subset's cost graph spliced from the two traces,
 :mod:`fxplan.splice`). The choice spans the searches on one scale, the forward cost recomputed per step
 (the cost graph's T, the regions' own recomputation included):

@@ -75,7 +75,8 @@ def main() -> None:
         taken[fraction] = graph_name(chosen.variant, count)
         if chosen.variant not in whole:
             modules[f"{taken[fraction]}@{fraction:g}"] = chosen.variant.result(chosen.candidate, budget)
-    print(f"{args.name}, batch {args.batch_size}, input size {args.input_size}: planned in {time.perf_counter() - start:.1f} s; "
+    print(f"{args.name}, batch {args.batch_size}, input size {args.input_size}: "
+          f"planned in {time.perf_counter() - start:.1f} s; "
           "fxplan.rewrite takes: " + ", ".join(f"{f:g} -> {v}" for f, v in taken.items()), flush=True)
     timings = {}
     if args.rounds:
