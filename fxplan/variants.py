@@ -6,9 +6,9 @@ the BatchNorm and ReLU in front of a convolution (:mod:`fxplan.regions`, ``symbo
 other graph, a unit of values without FLOPs (a LayerNorm's output, a GELU's products) that matrix products
 and pointwise ops keep (:mod:`fxplan.recomputed_inputs`). Memory saved at a fixed price, which a budget may
 not need, or need only in part. So the graph with every region is searched as its own model
-(:class:`fxplan.search.Search`, its own trace), and so are graphs with some of the regions (``REGION_SUBSETS``: the regions that drop the
-most bytes per unit of recomputation first, each subset's cost graph spliced from the two traces,
-:mod:`fxplan.splice`). The choice spans the searches on one scale, the forward cost recomputed per step
+(:class:`fxplan.search.Search`, its own trace), and so are graphs with some of the regions
+(``REGION_SUBSETS``: the regions that drop the most bytes per unit of recomputation first, each subset's cost
+graph spliced from the two traces, :mod:`fxplan.splice`). The choice spans the searches on one scale, the forward cost recomputed per step
 (the cost graph's T, the regions' own recomputation included):
 
 - a budget: of the canonical plans of all searches (:class:`fxplan.search.Search`'s candidates, not
