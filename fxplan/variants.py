@@ -8,8 +8,8 @@ and pointwise ops keep (:mod:`fxplan.recomputed_inputs`). Memory saved at a fixe
 not need, or need only in part. So the graph with every region is searched as its own model
 (:class:`fxplan.search.Search`, its own trace), and so are graphs with some of the regions
 (``REGION_SUBSETS``: the regions that drop the most bytes per unit of recomputation first, each subset's cost
-graph spliced from the two traces, :mod:`fxplan.splice`). The choice spans the searches on one scale, the forward cost recomputed per step
-(the cost graph's T, the regions' own recomputation included):
+graph spliced from the two traces, :mod:`fxplan.splice`). The choice spans the searches on one scale, the
+forward cost recomputed per step (the cost graph's T, the regions' own recomputation included):
 
 - a budget: of the canonical plans of all searches (:class:`fxplan.search.Search`'s candidates, not
   nested) that fit, the one that recomputes least (ties: the lower measured peak). The candidates of all
