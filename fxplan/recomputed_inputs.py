@@ -18,8 +18,8 @@ recomputed ops draw no random numbers and write nothing, and their inputs must n
 
 The hooks compose with those already active (fxplan's recomputed segments, which are
 ``torch.utils.checkpoint``'s, the trace's, a user's): the unit's inputs, and everything else a saver saves, are
-packed by them as they would have been. Where exactness cannot be guaranteed a saver runs as in the model (no
-grad, autocast on, functorch transforms).
+packed by them as they would have been. Where exactness cannot be guaranteed, or hooks are not allowed, a saver
+runs as in the model (no grad, autocast on, functorch transforms, ``disable_saved_tensors_hooks``).
 
 This is the second kind of recomputed region (:mod:`fxplan.regions` has the first, for convolutions after
 BatchNorm and ReLU, with a backward of its own): :func:`find_units` finds them in any captured graph,
@@ -180,7 +180,7 @@ def call_recomputing(op, args: tuple, kwargs: dict, recipe: Recipe, inputs: tupl
     them), ``inputs``, from which ``recipe`` makes them again there (module docstring)."""
     first = dropped[0]
     if isinstance(first, fx.Proxy) or not torch.is_grad_enabled() or torch.is_autocast_enabled(first.device.type) \
-            or torch._C._are_functorch_transforms_active():
+            or torch._C._are_functorch_transforms_active() or not torch._C._autograd._saved_tensors_hooks_is_enabled():
         return op(*args, **kwargs)
     storages = {d.untyped_storage()._cdata: i for i, d in enumerate(dropped)}
     layouts = [(tuple(d.shape), d.stride(), d.storage_offset()) for d in dropped]

@@ -155,3 +155,13 @@ def test_second_derivatives_through_a_recomputed_input_are_autograds():
 
     expected, got = gradient_norm(plain), gradient_norm(_norm_then_linear)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(expected, got))
+
+
+def test_where_saved_tensor_hooks_are_disabled_the_saver_runs_as_in_the_model():
+    x, weight, bias, w = _leaves()
+    with torch.autograd.graph.disable_saved_tensors_hooks("fxplan must not install hooks here"):
+        y = _norm_then_linear(x, weight, bias, w)
+    y.pow(2).sum().backward()
+    expected = _leaves()
+    F.linear(F.layer_norm(expected[0], (16,), expected[1], expected[2]), expected[3]).pow(2).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(expected, [x, weight, bias, w]))
