@@ -1,12 +1,14 @@
 """Exactness on held-out real models: the checks of tests/reach_checks.py at two budgets.
 
-Usage: python scripts/heldout_exact.py [NAME ...] [--device cuda]   (default: both models below, on the CPU)
+Usage: python scripts/heldout_exact.py [NAME ...] [--device cuda] [--fractions F ...]   (default: all, CPU)
 
 Models outside the zoo and the tests, random initialisation: ``timm:mobilenetv3_small_050`` (BatchNormAct,
 hard-swish, squeeze-excitation; batch 4, 64x64) and ``hf:qwen2`` (a 2-layer Qwen2ForCausalLM with
 grouped-query attention, hidden size 32, batch 2 of 16 tokens, its own loss), ``hf:gpt2`` (2 layers, width 64,
 dropout 0.1 in attention and MLP, batch 2 of 32 tokens, its own loss). Each is rewritten with no
-budget (the smallest peak) and at the middle of its budget range; for each plan: the user's model is
+budget (the smallest peak) and at the middle of its budget range (``--fractions``: at those fractions of vanilla's
+peak instead; the models below ``hf:gpt2`` in ``MODELS`` get units of recomputed inputs at 0.9 and 0.75); for
+each plan: the user's model is
 unchanged by planning, outputs, every parameter gradient and every buffer are bitwise equal to the
 original's over two training steps and in eval mode, the measured peak is within the budget (fake and
 real tensors), and the rewritten module's ``state_dict`` loads back into a fresh original.
@@ -56,8 +58,46 @@ def gpt2() -> tuple[torch.nn.Module, Any]:
     return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
 
 
+def timm_model(name: str, batch: int, size: int) -> Callable[[], tuple[torch.nn.Module, Any]]:
+    def make() -> tuple[torch.nn.Module, Any]:
+        import timm
+
+        torch.manual_seed(0)
+        model = timm.create_model(name, pretrained=False, num_classes=10)
+        return model, (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1)),)
+
+    return make
+
+
+def hf_model(config: str, model_class: str, **sizes: Any) -> Callable[[], tuple[torch.nn.Module, Any]]:
+    """A Hugging Face model of 2 layers and width 64 from ``config`` (random init), on 2 sequences of 32 tokens
+    of a vocabulary of 200, with its own loss where it has one (masked and causal LMs)."""
+    def make() -> tuple[torch.nn.Module, Any]:
+        import transformers
+
+        torch.manual_seed(0)
+        model = getattr(transformers, model_class)(getattr(transformers, config)(vocab_size=200, **sizes))
+        ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(1))
+        return model, {"input_ids": ids, "labels": ids}
+
+    return make
+
+
+_DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
-    "timm:mobilenetv3_small_050": mobilenet, "hf:qwen2": qwen2, "hf:gpt2": gpt2}
+    "timm:mobilenetv3_small_050": mobilenet, "hf:qwen2": qwen2, "hf:gpt2": gpt2,
+    # models planned with units of recomputed inputs (fxplan.recomputed_inputs), best checked with --fractions
+    "timm:convnext_atto": timm_model("convnext_atto", 8, 128),
+    "timm:efficientnet_b0": timm_model("efficientnet_b0", 8, 128),
+    "timm:vit_tiny_patch16_224": timm_model("vit_tiny_patch16_224", 4, 224),
+    "timm:levit_128s": timm_model("levit_128s", 4, 224),
+    "hf:mistral": hf_model("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, **_DECODER),
+    "hf:phi": hf_model("PhiConfig", "PhiForCausalLM", **_DECODER),
+    "hf:gpt_neox": hf_model("GPTNeoXConfig", "GPTNeoXForCausalLM", **_DECODER),
+    "hf:distilbert": hf_model("DistilBertConfig", "DistilBertForMaskedLM", dim=64, n_layers=2, n_heads=4,
+                              hidden_dim=128),
+}
 
 
 def on(device: torch.device, model: torch.nn.Module, inputs: Any) -> tuple[torch.nn.Module, Any]:
@@ -67,23 +107,25 @@ def on(device: torch.device, model: torch.nn.Module, inputs: Any) -> tuple[torch
     return model.to(device), moved
 
 
-def check(name: str, device: torch.device) -> None:
+def check(name: str, device: torch.device, fractions: list[float] | None) -> None:
     make = MODELS[name]
     model, inputs = on(device, *make())
     start = time.perf_counter()
     vanilla = fxplan.measure_step(model, inputs, fake=True, loss_fn=loss_of).peak_bytes
-    budget = None
-    for _ in range(2):  # the smallest peak (budget None), then halfway from it to vanilla's
+    budgets = [f * vanilla / 2**30 for f in fractions] if fractions else [None, None]
+    smallest = None
+    for budget in budgets:  # default: the smallest peak (None), then halfway from it to vanilla's
+        if fractions is None and smallest is not None:
+            budget = (smallest + vanilla) / 2 / 2**30
         opt = assert_rewrite_exact(model, inputs, budget)
+        smallest = opt.fxplan_measured_peak_bytes
         fresh, _ = on(device, *make())
         fresh.load_state_dict(opt.state_dict())
         assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in opt.state_dict().items())
         plan = opt.fxplan_plan
         print(f"{name}: budget {'None' if budget is None else f'{budget:.6f} GiB'}: exact (train, eval, buffers, "
               f"state_dict), measured peak {opt.fxplan_measured_peak_bytes} bytes, {plan.num_segments} segments, "
-              f"{len(plan.regions)} recomputed regions, recompute {plan.recompute_fraction:.3f}", flush=True)
-        if budget is None:
-            budget = (opt.fxplan_measured_peak_bytes + vanilla) / 2 / 2**30
+              f"{len(plan.regions)} recomputed regions or units, recompute {plan.recompute_fraction:.3f}", flush=True)
     print(f"{name}: vanilla peak {vanilla} bytes, {time.perf_counter() - start:.0f} s", flush=True)
 
 
@@ -91,13 +133,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fractions", nargs="+", type=float,
+                        help="budgets as fractions of vanilla's fake-tensor peak (default: none, then the middle)")
     args = parser.parse_args()
     names = args.names or list(MODELS)
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     for name in names:
-        check(name, torch.device(args.device))
+        check(name, torch.device(args.device), args.fractions)
 
 
 if __name__ == "__main__":
