@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    entry = models_zoo.get(args.name)
+    entry = models_zoo.resolve(args.name)
     torch.manual_seed(0)
     model = entry.build()
     inputs = entry.example_inputs(args.batch_size, args.input_size)
