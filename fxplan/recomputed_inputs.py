@@ -290,7 +290,8 @@ def _units(gm: fx.GraphModule, members: set[fx.Node], roots: dict, savers: dict)
         saved = tuple(tuple(m.name for m in sorted(by_saver[s], key=order.__getitem__)) for s in savers_of)
         needs = tuple(tuple(n.name for n in _recipe_nodes(by_saver[s], members, order)) for s in savers_of)
         found.append(Unit(tuple(m.name for m in dropped), tuple(s.name for s in savers_of), saved, needs))
-    return sorted(found, key=lambda u: order[_node(gm, u.dropped[0])])
+    position = {n.name: i for n, i in order.items()}
+    return sorted(found, key=lambda u: position[u.dropped[0]])
 
 
 def _recipe_nodes(values: list[fx.Node], members: set[fx.Node], order: dict) -> list[fx.Node]:
@@ -302,10 +303,6 @@ def _recipe_nodes(values: list[fx.Node], members: set[fx.Node], order: dict) -> 
             needed.add(n)
             stack.extend(a for a in n.all_input_nodes if a in members)
     return sorted(needed, key=order.__getitem__)
-
-
-def _node(gm: fx.GraphModule, name: str) -> fx.Node:
-    return next(n for n in gm.graph.nodes if n.name == name)
 
 
 def recomputable(node: fx.Node, gm: fx.GraphModule) -> bool:
