@@ -180,11 +180,11 @@ def call_recomputing(op, args: tuple, kwargs: dict, recipe: Recipe, inputs: tupl
     them), ``inputs``, from which ``recipe`` makes them again there (module docstring)."""
     first = dropped[0]
     if isinstance(first, fx.Proxy) or not torch.is_grad_enabled() or torch.is_autocast_enabled(first.device.type) \
-            or torch._C._are_functorch_transforms_active() or not torch._C._autograd._saved_tensors_hooks_is_enabled():
+            or torch._C._are_functorch_transforms_active() or not _hooks_allowed():
         return op(*args, **kwargs)
     storages = {d.untyped_storage()._cdata: i for i, d in enumerate(dropped)}
     layouts = [(tuple(d.shape), d.stride(), d.storage_offset()) for d in dropped]
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer = _outer_hooks()
     outer_pack, outer_unpack = outer if outer is not None else (_same, _same)
     # autograd keeps the hooks as long as what they packed: they must not hold the dropped tensors, nor the
     # inputs (the outer hooks may drop those: a recomputed segment's)
@@ -212,6 +212,25 @@ def _same(t):
     return t
 
 
+#: PyTorch's stack of saved-tensor hooks (private; what composing with the hooks already active needs). Where a
+#: release lacks it, no units are found and a saver runs as in the model.
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _outer_hooks():
+    """The (pack, unpack) hooks active around a saver, or None."""
+    try:
+        return _TOP_HOOKS(False)
+    except TypeError:  # releases whose function takes no argument
+        return _TOP_HOOKS()
+
+
+def _hooks_allowed() -> bool:
+    """Whether saved-tensor hooks may be installed here (not under ``disable_saved_tensors_hooks``)."""
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return _TOP_HOOKS is not None and (enabled is None or enabled())
+
+
 # ----------------------------------------------------------------------------------------------
 # finding them
 
@@ -226,6 +245,8 @@ def find_units(cg) -> list[Unit]:
     replaced by a call, and each of its inputs is a parameter, buffer or model input, a value that joined
     before, or one that something saves (so it stays, and keeping it for a saver costs nothing). Units are
     the connected groups of such values, joined where one saver saves values of two."""
+    if _TOP_HOOKS is None:
+        return []
     gm = cg.graph["captured"].gm
     roots = alias_roots(gm.graph, gm)
     savers: dict[fx.Node, set[fx.Node]] = {}
