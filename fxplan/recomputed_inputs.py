@@ -72,7 +72,7 @@ class Unit:
 
     @property
     def recomputed(self) -> tuple[str, ...]:
-        """The nodes the backward runs again, once per time (each saver's recipe runs once per backward)."""
+        """The nodes the backward runs again, as often as it runs them (each saver's recipe once)."""
         return tuple(name for needed in self.needs for name in needed)
 
     @property
@@ -140,7 +140,7 @@ class _Recomputed:
 
     def handle(self, index: int, saved: torch.Tensor) -> _Handle:
         self.handles += 1
-        shape, stride, offset = self.layouts[index]
+        offset = self.layouts[index][2]
         return _Handle(self, index, (tuple(saved.shape), saved.stride(), saved.storage_offset() - offset))
 
     def value(self, index: int, view: tuple) -> torch.Tensor:
