@@ -217,9 +217,8 @@ class _PortableGraph:
         made: dict[str, fx.Node] = {}
         for op, name, target, arguments, type_ in self.nodes:
             args, kwargs = fx.node.map_aggregate(arguments, lambda a: made[a.name] if isinstance(a, _NodeName) else
-                                                 a.resolve() if isinstance(a, _OperatorName) else a)
-            if isinstance(target, (_OperatorName, _FunctionName)):
-                target = target.resolve()
+                                                 _restored(a))
+            target = _restored(target)
             made[name] = graph.create_node(op, target, args, kwargs, name, type_)
             if made[name].name != name:
                 raise FxplanError(f"fxplan: loading a rewritten module: node {name!r} came back as {made[name].name!r}")
@@ -232,13 +231,14 @@ class _NodeName:
 
 
 def _portable_argument(arg: Any) -> Any:
-    """A node's argument as pickle can save it: another node by name, an operator (the op a saver of
-    :mod:`fxplan.recomputed_inputs` runs) by its name."""
-    if isinstance(arg, fx.Node):
-        return _NodeName(arg.name)
-    if isinstance(arg, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-        return _OperatorName.of(arg)
-    return arg
+    """A node's argument as pickle can save it: another node by name, a function (the op a saver of
+    :mod:`fxplan.recomputed_inputs` runs) as a target is saved."""
+    return _NodeName(arg.name) if isinstance(arg, fx.Node) else _portable_target(arg)
+
+
+def _restored(saved: Any) -> Any:
+    """What :func:`_portable_target` made portable, back as it was."""
+    return saved.resolve() if isinstance(saved, (_OperatorName, _FunctionName)) else saved
 
 
 def _portable_target(target: Any) -> Any:

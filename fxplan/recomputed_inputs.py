@@ -123,8 +123,9 @@ class Recipe:
 
 
 def _rebuilt_recipe(steps, outputs) -> Recipe:
-    return Recipe([(fn.resolve() if hasattr(fn, "resolve") else fn, args, kwargs) for fn, args, kwargs in steps],
-                  outputs)
+    from fxplan.codegen import _restored
+
+    return Recipe([(_restored(fn), args, kwargs) for fn, args, kwargs in steps], outputs)
 
 
 class _Recomputed:
