@@ -30,6 +30,7 @@ BatchNorm and ReLU, with a backward of its own): :func:`find_units` finds them i
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,14 @@ class Recipe:
         for fn, args, kwargs in self.steps:
             slots.append(value(fn)(*fx.node.map_aggregate(args, value), **fx.node.map_aggregate(kwargs, value)))
         return tuple(slots[i] for i in self.outputs)
+
+    def call_key(self, describe: Callable[[Any], Any]) -> tuple:
+        """What running this recipe depends on, its arguments described by ``describe`` (the trace's key of a
+        node's call, so that a repeated layer's savers are probed once)."""
+        def plain(a):
+            return ("slot", a.index) if isinstance(a, _Slot) else a
+
+        return ("recipe", tuple(describe(fx.node.map_aggregate(step, plain)) for step in self.steps), self.outputs)
 
     def __reduce__(self):
         from fxplan.codegen import _portable_target  # pickle saves operators by name (codegen's rule)

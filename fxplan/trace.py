@@ -59,6 +59,7 @@ from fxplan.errors import FxplanError, TraceError
 from fxplan.fakes import DATA_DEPENDENT, data_dependent_error, fake_copy, fake_mode_of, to_fake
 from fxplan.measure import fresh_autocast_cache
 from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
+from fxplan.recomputed_inputs import Recipe
 from fxplan.scratch import charged_bytes, storage_bytes
 from fxplan.timecost import T_SECONDS, TIME_MODELS, device_speed, measure_seconds
 
@@ -349,6 +350,11 @@ class _CostPropagator(torch.fx.Interpreter):
                 return x
             if isinstance(x, torch.nn.Module):  # a module handed to a function (a recomputed region's)
                 return module_key(x)
+            if isinstance(x, Recipe):  # a unit's saver (fxplan.recomputed_inputs)
+                return x.call_key(describe)
+            if callable(x):  # an operator handed to a function (the unit's saver), by identity
+                hash(x)
+                return x
             raise TypeError
 
         def module_key(mod: torch.nn.Module) -> tuple:
