@@ -38,7 +38,7 @@ from fxplan.capture import Captured, owning_graph_module
 from fxplan.costgraph import CostGraph
 from fxplan.effects import alias_roots, mutated_arg
 from fxplan.errors import FxplanError
-from fxplan.recomputed_inputs import PREFIX, Unit, parse_checked, saver_node
+from fxplan.recomputed_inputs import PREFIX, Unit, find_units, parse_checked, saver_node
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -147,6 +147,17 @@ def with_regions(captured: Captured, regions: list) -> Captured:
     gm.meta.update(source.meta)
     gm.graph.lint()
     return Captured(gm, captured.method, captured.interface)
+
+
+def regions_of(cg: CostGraph) -> list:
+    """The recomputed regions a budget is searched with: the convolution regions of a ``symbolic_trace`` graph,
+    else its units of recomputed inputs (:mod:`fxplan.recomputed_inputs`); found once per cost graph (the trace
+    probes the units' savers, the budget search plans with them)."""
+    if "regions" not in cg.graph:
+        captured = cg.graph["captured"]
+        regions = find_regions(captured.gm) if captured.method == "symbolic_trace" else []
+        cg.graph["regions"] = regions or find_units(cg)
+    return list(cg.graph["regions"])
 
 
 def _named_regions(gm: fx.GraphModule, regions: list) -> list:

@@ -529,14 +529,16 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
     memo = None if large else SWEEP  # planning contexts (fxplan.dp.context) cache its priced moves
     step, most = (LARGE_STEP, LARGE_FRONTIER) if large else (STEP, FRONTIER)
     resident = resident_bytes(cg, model)  # once: it walks every parameter
-    lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo, resident=resident)
     walk = max(FRONTIER_MIN, min(most, FRONTIER_WORK // max(1, cg.number_of_nodes())))
     p = plan_graph(cg, model, 2**62, strategy="time", solver=solver, memory_model=memo, max_sets=FRONTIER_SETS,
                    resident=resident)
+    yield p  # before the smallest budget is solved for: a budget search often needs no other plan of a graph
+    lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo, resident=resident)
     if walk < most and p.predicted_peak_bytes > lo:
         step = max(step, 1 - (lo / p.predicted_peak_bytes) ** (1 / walk))
     for k in range(most):
-        yield p
+        if k:
+            yield p
         target = p.predicted_peak_bytes - max(1, int(step * p.predicted_peak_bytes))
         if target < lo or k == most - 1:
             break

@@ -96,6 +96,47 @@ def spliced(plain: CostGraph, every: CostGraph, regions: list, subset: list) -> 
     return cg
 
 
+def derived(plain: CostGraph, units: list) -> CostGraph:
+    """The cost graph of the model with the units of recomputed inputs ``units`` (:mod:`fxplan.recomputed_inputs`),
+    as :func:`fxplan.trace.trace` would give it, from ``plain`` (the trace of the captured graph) alone: a unit
+    changes no node but its savers, which run through ``call_recomputing``, keep other values for their
+    backward and recompute in it; what that changes of each saver, the trace of the captured graph found by
+    running its call once more (``plain.graph["unit_savers"]``). Raises :class:`SpliceError` where a saver
+    was not probed (a trace of a graph it did not capture itself)."""
+    facts = plain.graph.get("unit_savers") or {}
+    missing = [s for u in units for s in u.savers if s not in facts]
+    if missing:
+        raise SpliceError(f"saver {missing[0]} of a unit was not probed by the trace")
+    source = plain.graph["captured"]
+    captured = with_regions(source, units)
+    gm = captured.gm
+    like, fake_mode = plain.graph["fake"]
+    fake = _fake_twin(gm, like)
+    source_nodes = _by_name(source.gm)
+    cg = CostGraph()
+    cg.graph.update({key: plain.graph[key] for key in _SHARED if key in plain.graph})
+    for node in gm.graph.nodes:
+        if node.op not in _COMPUTE:
+            continue
+        attrs = dict(plain.nodes[node.name])
+        if node.name in facts and node.target is call_recomputing:
+            attrs.update(facts[node.name])
+            if not attrs["backward_rise"]:
+                del attrs["backward_rise"]  # as the trace leaves it: set where not 0
+        cg.add_node(node.name, **attrs)
+        for key in _META:
+            node.meta[key] = source_nodes[node.name].meta[key]
+        cg.add_edges_from((pred.name, node.name) for pred in node.all_input_nodes if pred.op in _COMPUTE)
+    for before, after in ordering_edges(gm):
+        if not cg.has_edge(before, after):
+            cg.add_edge(before, after, order_only=True)
+    for node in fake.graph.nodes:
+        if node.name in cg:
+            node.meta["fxplan_fresh_output"] = source_nodes[node.name].meta["fxplan_fresh_output"]
+    cg.graph.update(gm=gm, captured=captured, gradients=plain.graph["gradients"], fake=(fake, fake_mode))
+    return cg
+
+
 def _fake_twin(gm: fx.GraphModule, like: fx.GraphModule) -> fx.GraphModule:
     """A module running ``gm``'s graph over the modules and fake state of ``like`` (the fake copy of the captured
     graph the plain trace made: the same module paths), as the trace's own fake copy would run it; sharing

@@ -44,22 +44,24 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import networkx as nx
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
-from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after
+from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after, resolve_attr
 from fxplan.costgraph import CostGraph
 from fxplan.effects import mutated_position, ordering_edges
 from fxplan.errors import FxplanError, TraceError
 from fxplan.fakes import DATA_DEPENDENT, data_dependent_error, fake_copy, fake_mode_of, to_fake
 from fxplan.measure import fresh_autocast_cache
 from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
-from fxplan.recomputed_inputs import Recipe
+from fxplan.recomputed_inputs import Recipe, Unit, call_recomputing
+from fxplan.regions import regions_of, with_regions
 from fxplan.scratch import charged_bytes, storage_bytes
 from fxplan.timecost import T_SECONDS, TIME_MODELS, device_speed, measure_seconds
 
@@ -104,6 +106,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     if cost_model not in COST_MODELS:
         raise FxplanError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
     call = as_call(example_inputs)
+    captured_here = captured is None
     captured = captured or capture(model, call)
     try:
         with fresh_autocast_cache():
@@ -129,6 +132,12 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     cg.graph["captured"] = captured
     cg.graph["gradients"] = propagator.gradients()
     nx.set_node_attributes(cg, propagator.backward_rises(), "backward_rise")
+    if captured_here:
+        try:
+            cg.graph["unit_savers"] = _unit_savers(cg, propagator)
+        except Exception as error:  # noqa: BLE001 (optional facts: the graphs with units are traced instead)
+            logger.info("fxplan: the savers of recomputed inputs were not probed (%s: %s)", type(error).__name__,
+                        str(error).splitlines()[0][:200] if str(error) else "")
     # the fake copy propagated (its parameters without .grad: no backward ran) and its fake mode, on which
     # the budget search measures its candidates (fxplan.search) without copying the model again
     cg.graph["fake"] = (propagator.module, propagator.fake_mode)
@@ -308,30 +317,45 @@ class _CostPropagator(torch.fx.Interpreter):
         and outputs would miss (:mod:`fxplan.replay`).
         """
         rises: dict[str, int] = {}
-        known: dict[tuple, int] = {}  # a repeated layer's nodes are run once (_call_key)
+        known: dict[tuple, int] = {}  # a repeated layer's nodes are run once (_key_of)
         detached: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(value): (value, its detached leaf)
         for node in self.module.graph.nodes:
             if node.op not in COMPUTE_OPS or not self.grad_fns.get(node.name):
                 continue
-            key = self._call_key(node)
-            if key is None or key not in known:
-                with self.fake_mode:
-                    try:
-                        rise = self._backward_rise(node, detached)
-                    except Exception as exc:  # noqa: BLE001 (an in-place op on an input, an op fake tensors
-                        # cannot run again: no estimate; the replay only ranks plans, measured in the end)
-                        logger.debug("no backward estimate for %s: %s", node.name, exc)
-                        rise = 0
-                if key is not None:
-                    known[key] = rise
-            else:
-                rise = known[key]
+            rise = self.call_rise(node, self.fetch_args_kwargs_from_env(node), known, detached)
             if rise:
                 rises[node.name] = rise
         return rises
 
-    def _call_key(self, node: torch.fx.Node) -> tuple | None:
-        """What a node's backward depends on (its op or module, and its arguments' shapes, dtypes, strides,
+    def call_rise(self, node: torch.fx.Node, call: tuple, known: dict[tuple, int],
+                  detached: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+        """The rise of ``node``'s backward run on ``call`` (its args and kwargs), from ``known`` where a call alike
+        was probed (:meth:`_key_of`; the rise is added to it)."""
+        op = self.module.get_submodule(str(node.target)) if node.op == "call_module" else node.target
+        key = self._key_of(node.op, op, call)
+        if key is not None and key in known:
+            return known[key]
+        with self.fake_mode:
+            try:
+                rise = self._backward_rise(lambda args, kwargs: getattr(self, node.op)(node.target, args, kwargs),
+                                           call, self._parameters(node), {} if detached is None else detached)
+            except Exception as exc:  # noqa: BLE001 (an in-place op on an input, an op fake tensors
+                # cannot run again: no estimate; the replay only ranks plans, measured in the end)
+                logger.debug("no backward estimate for %s: %s", node.name, exc)
+                rise = 0
+        if key is not None:
+            known[key] = rise
+        return rise
+
+    def _parameters(self, node: torch.fx.Node) -> list[torch.Tensor]:
+        """The parameters of a module node that require gradients (leaves of its backward besides its inputs)."""
+        if node.op != "call_module":
+            return []
+        return [p for p in self.module.get_submodule(str(node.target)).parameters() if p.requires_grad]
+
+    @staticmethod
+    def _key_of(kind: str, op: Any, call: tuple) -> tuple | None:
+        """What a call's backward depends on (its op or module, and its arguments' shapes, dtypes, strides,
         which of them require gradients and which share storage); None if an argument is of no known kind."""
         storages: dict[int, int] = {}
 
@@ -361,20 +385,19 @@ class _CostPropagator(torch.fx.Interpreter):
             return (type(mod), repr(mod), mod.training, tuple(describe(t) for t in (*mod.parameters(), *mod.buffers())))
 
         try:
-            if node.op == "call_module":
-                op = module_key(self.module.get_submodule(str(node.target)))
-            else:
-                op = node.target
-            key = (node.op, op, describe(self.fetch_args_kwargs_from_env(node)))
+            key = (kind, module_key(op) if isinstance(op, torch.nn.Module) else op, describe(call))
             hash(key)
         except (TypeError, RuntimeError):  # an argument of no known kind, a tensor without strides
             return None
         return key
 
-    def _backward_rise(self, node: torch.fx.Node, detached: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
-        """The rise of one node's backward (:meth:`backward_rises`). ``detached`` holds the leaves made so
-        far: a value many nodes read (a DenseNet's features, read by every later concatenation) is detached
-        once; within one node, a value read twice gets a leaf per read, as each read has its own gradient."""
+    @staticmethod
+    def _backward_rise(run: Callable[[tuple, dict], Any], call: tuple, parameters: list[torch.Tensor],
+                       detached: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """The rise of one call's backward (:meth:`backward_rises`): ``run`` on ``call`` (args, kwargs) made
+        leaves, its backward to them and to ``parameters``. ``detached`` holds the leaves made so far: a value
+        many nodes read (a DenseNet's features, read by every later concatenation) is detached once; within
+        one call, a value read twice gets a leaf per read, as each read has its own gradient."""
         leaves: list[torch.Tensor] = []
         used: set[int] = set()
 
@@ -391,10 +414,9 @@ class _CostPropagator(torch.fx.Interpreter):
             leaves.append(made)
             return made
 
-        args, kwargs = tree_map(leaf, self.fetch_args_kwargs_from_env(node))
-        out = getattr(self, node.op)(node.target, args, kwargs)
-        if node.op == "call_module":
-            leaves += [p for p in self.module.get_submodule(str(node.target)).parameters() if p.requires_grad]
+        args, kwargs = tree_map(leaf, call)
+        out = run(args, kwargs)
+        leaves += parameters
         outs = [t for t in tensors(out) if t.grad_fn is not None]
         if not outs or not leaves:
             return 0
@@ -447,14 +469,11 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
     records, resident = propagator.records, propagator.resident_keys
     cg.graph.update(gm=gm, param_bytes=int(propagator.param_bytes), input_bytes=int(propagator.input_bytes),
                     name=name, cost_model=cost_model, T_seconds=None)
-    owner: dict[int, str] = {}
+    owner = _storage_owners(gm, records)
     for node in gm.graph.nodes:
         if node.op not in COMPUTE_OPS:
             continue
         rec = records[node.name]
-        for key in rec.out_storages:
-            if key != rec.alias_storage:
-                owner.setdefault(key, node.name)
         kind = _kind(gm, node)
         saves_output, saved_inputs, extra, saves_resident = _classify_saved(node, rec, owner, resident)
         cg.add_node(
@@ -481,6 +500,104 @@ def _build_cost_graph(gm, propagator: _CostPropagator, cost_model: str, name: st
         if not cg.has_edge(before, after):
             cg.add_edge(before, after, order_only=True)
     return cg
+
+
+def _storage_owners(gm: torch.fx.GraphModule, records: dict[str, _NodeRecord]) -> dict[int, str]:
+    """Storage -> the first node whose output it is (views and in-place ops own none)."""
+    owner: dict[int, str] = {}
+    for node in gm.graph.nodes:
+        if node.op in COMPUTE_OPS:
+            rec = records[node.name]
+            for key in rec.out_storages:
+                if key != rec.alias_storage:
+                    owner.setdefault(key, node.name)
+    return owner
+
+
+def _unit_savers(cg: CostGraph, propagator: _CostPropagator) -> dict[str, dict[str, Any]]:
+    """Per saver of the graph's units of recomputed inputs (where the budget search uses them:
+    :func:`fxplan.regions.regions_of`), the cost-graph facts that differ in a graph where it runs through
+    :func:`~fxplan.recomputed_inputs.call_recomputing`: what its backward keeps, its backward's rise, its kind.
+    Found by running each saver's call once more on the values of this propagation, as a trace of that graph
+    runs it (:func:`fxplan.splice.derived` makes the graphs with units from them, with no trace of their own)."""
+    units = [u for u in regions_of(cg) if isinstance(u, Unit)]
+    if not units:
+        return {}
+    gm = with_regions(cg.graph["captured"], units).gm
+    values = {n.name: v for n, v in propagator.env.items()}
+
+    def value(n: torch.fx.Node) -> Any:
+        if n.name in values:
+            return values[n.name]
+        return getattr(gm, n.target) if n.target in vars(gm) else resolve_attr(propagator.module, n.target)
+
+    owner, resident = _storage_owners(propagator.module, propagator.records), propagator.resident_keys
+    facts: dict[str, dict[str, Any]] = {}
+    rises: dict[tuple, int] = {}
+    patterns: dict[tuple, tuple] = {}  # a repeated layer's savers run once (_key_of)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not call_recomputing:
+            continue
+        call = (torch.fx.node.map_arg(node.args, value), torch.fx.node.map_arg(node.kwargs, value))
+        flat = _call_tensors(call)
+        key = propagator._key_of(node.op, node.target, call)
+        pattern = patterns.get(key) if key is not None else None
+        if pattern is None:
+            pattern = _saved_pattern(propagator.fake_mode, call, flat)
+            if key is not None:
+                patterns[key] = pattern
+        saves_output, saved_inputs, extra, saves_resident = _classify_saved(node, _record_of(pattern, flat), owner,
+                                                                            resident)
+        rise = propagator.call_rise(node, call, rises) if propagator.grad_fns.get(node.name) else 0
+        facts[node.name] = dict(kind=_kind(gm, node), target=_target_name(node), saves_output=saves_output,
+                                saved_inputs=saved_inputs, saved=int(extra), saves_resident=saves_resident,
+                                backward_rise=rise)
+    return facts
+
+
+def _call_tensors(call: tuple) -> list[torch.Tensor]:
+    """The tensors of a call's arguments, then the parameters and buffers of the modules among them."""
+    modules = [m for m in tree_leaves(call) if isinstance(m, torch.nn.Module)]
+    return tensors(call) + [t for m in modules for t in (*m.parameters(), *m.buffers())]
+
+
+def _saved_pattern(fake_mode: FakeTensorMode, call: tuple, flat: list[torch.Tensor]) -> tuple[list, list]:
+    """What ``call_recomputing(*args, **kwargs)`` on ``call`` keeps for its backward (storage, bytes) and returns
+    (storages), each storage named by the position of a tensor of ``flat`` (:func:`_call_tensors`) that has it,
+    or, for one the call makes, ``("new", k)``: a pattern that holds for any call alike
+    (:meth:`_CostPropagator._key_of`)."""
+    position: dict[int, Any] = {}
+    for i, t in enumerate(flat):
+        position.setdefault(t.untyped_storage()._cdata, i)
+
+    def ref(t: torch.Tensor) -> Any:
+        return position.setdefault(t.untyped_storage()._cdata, ("new", len(position)))
+
+    saved: list[tuple[Any, int]] = []
+
+    def pack(t: torch.Tensor):
+        saved.append((ref(t), storage_bytes(t)))
+        return t
+
+    with fake_mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call_recomputing(*call[0], **call[1])
+    return saved, [ref(t) for t in tensors(out)]
+
+
+def _record_of(pattern: tuple[list, list], flat: list[torch.Tensor]) -> _NodeRecord:
+    """The record of a saver's call (what it keeps and returns) from :func:`_saved_pattern` and the call's tensors."""
+    def key(r: Any) -> Any:
+        return flat[r].untyped_storage()._cdata if isinstance(r, int) else r
+
+    rec = _NodeRecord()
+    saved, outputs = pattern
+    for r, nbytes in saved:
+        rec.saved_storages.setdefault(key(r), nbytes)
+    for r in outputs:
+        rec.out_storages.add(key(r))
+        if isinstance(r, int):
+            rec.alias_storage = key(r)
+    return rec
 
 
 def _classify_saved(node, rec: _NodeRecord, owner: dict[int, str],

@@ -6,9 +6,10 @@ the BatchNorm and ReLU in front of a convolution (:mod:`fxplan.regions`, ``symbo
 other graph, a unit of values without FLOPs (a LayerNorm's output, a GELU's products) that matrix products
 and pointwise ops keep (:mod:`fxplan.recomputed_inputs`). Memory saved at a fixed price, which a budget may
 not need, or need only in part. So the graph with every region is searched as its own model
-(:class:`fxplan.search.Search`, its own trace), and so are graphs with some of the regions
-(``REGION_SUBSETS``: the regions that drop the most bytes per unit of recomputation first, each subset's cost
-graph spliced from the two traces, :mod:`fxplan.splice`). The choice spans the searches on one scale, the
+(:class:`fxplan.search.Search`), and so are graphs with some of the regions (``REGION_SUBSETS``: the regions
+that drop the most bytes per unit of recomputation first). The graph with every convolution region is traced,
+its subsets' cost graphs spliced from the two traces; the graphs with units are derived from the captured
+graph's trace, which probed each saver (:mod:`fxplan.splice`). The choice spans the searches on one scale, the
 forward cost recomputed per step (the cost graph's T, the regions' own recomputation included):
 
 - a budget: of the canonical plans of all searches (:class:`fxplan.search.Search`'s candidates, not
@@ -45,10 +46,9 @@ import torch
 from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError
-from fxplan.recomputed_inputs import find_units
-from fxplan.regions import Region, dropped_bytes, find_regions, recompute_cost, with_regions
+from fxplan.regions import Region, dropped_bytes, recompute_cost, regions_of, with_regions
 from fxplan.search import NEGLIGIBLE, Candidate, Search, replayed_within_trust
-from fxplan.splice import SpliceError, spliced
+from fxplan.splice import SpliceError, derived, spliced
 from fxplan.trace import trace
 
 logger = logging.getLogger("fxplan")
@@ -117,7 +117,7 @@ class Searches:
         self.model, self.inputs, self.solver, self.loss_fn = model, example_inputs, solver, loss_fn
         self.plain = Variant(Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn), [])
         # Chen's plans stay the paper's baseline (fxplan.search): no regions for solver="chen"
-        self._regions = _regions_of(cg) if solver != "chen" else []
+        self._regions = regions_of(cg) if solver != "chen" else []
         self._region_T = recompute_cost(cg, self._regions)  # what any plan with regions recomputes, at least
         # convolution regions lower the smallest peak (DenseNet-161: docs/results.md); units of recomputed inputs
         # did not (GPT-2: docs/rewrite.md), so only budgets are searched with them
@@ -136,29 +136,41 @@ class Searches:
             return None
         if self._with_regions is None:
             t0 = time.perf_counter()
-            cg = self.plain.search.cg
-            traced = self._guarded(lambda: trace(self.model, self.inputs, cost_model=cg.graph["cost_model"],
-                                                 captured=with_regions(cg.graph["captured"], self._regions)))
-            if traced is None:
+            made = self._guarded(lambda: self._graph_with(self._regions))
+            if made is None:
                 return None
-            search = Search(traced, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
+            search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
             self._with_regions = Variant(search, self._regions, self._region_T)
-            logger.info("fxplan: traced the graph with %d recomputed regions (convolutions keeping their output) "
-                        "in %.1f s", len(self._regions), time.perf_counter() - t0)
+            logger.info("fxplan: made the graph with %d recomputed regions in %.1f s", len(self._regions),
+                        time.perf_counter() - t0)
         return self._with_regions
 
+    def _graph_with(self, regions: list) -> CostGraph:
+        """The cost graph with ``regions``: derived from the captured graph's trace for units of recomputed inputs
+        (:func:`fxplan.splice.derived`), traced for convolution regions (or where the derivation cannot be made)."""
+        cg = self.plain.search.cg
+        if not self._conv_regions:
+            try:
+                return derived(cg, regions)
+            except SpliceError as error:
+                logger.info("fxplan: tracing the graph with %d units instead of deriving it (%s)", len(regions), error)
+        return trace(self.model, self.inputs, cost_model=cg.graph["cost_model"],
+                     captured=with_regions(cg.graph["captured"], regions))
+
     def with_subset(self, subset: list[Region]) -> Variant | None:
-        """The search over the graph with the regions ``subset`` (spliced from the captured graph's trace and
-        the graph with every region's, :mod:`fxplan.splice`; traced where they do not line up); None without
-        regions."""
+        """The search over the graph with the regions ``subset``: for convolution regions, spliced from the captured
+        graph's trace and the graph with every region's (:mod:`fxplan.splice`; traced where they do not line up);
+        for units, derived from the captured graph's trace. None without regions."""
         key = tuple(r.conv for r in subset)
         if key not in self._subsets:
-            every = self.with_regions()
-            if every is None:
-                return None
             cg = self.plain.search.cg
+            every = self.with_regions() if self._conv_regions else None
+            if self._conv_regions and every is None:
+                return None
 
             def graph() -> CostGraph:
+                if every is None:
+                    return self._graph_with(subset)
                 try:
                     return spliced(cg, every.search.cg, self._regions, subset)
                 except SpliceError as error:
@@ -289,14 +301,6 @@ class Searches:
     def steps(self) -> int:
         """Plans measured on fake tensors so far, over both graphs (for the log)."""
         return sum(v.search.meter.steps for v in self.variants)
-
-
-def _regions_of(cg: CostGraph) -> list:
-    """The recomputed regions a budget is searched with: the convolution regions of a ``symbolic_trace`` graph
-    (:mod:`fxplan.regions`), else its units of recomputed inputs (:mod:`fxplan.recomputed_inputs`)."""
-    captured = cg.graph["captured"]
-    regions = find_regions(captured.gm) if captured.method == "symbolic_trace" else []
-    return regions or find_units(cg)
 
 
 class _RegionsFailed(Exception):

@@ -20,7 +20,8 @@ first budget rewrite, followed by the plan it chose) says where the time goes:
 ``trace`` capture and cost propagation, ``capture`` the part of it that captures the graph (``symbolic_trace``
 or ``torch.export``, on a fake copy), ``probe`` the replay's gradient probe (``step_model``), ``solve``
 the DP solves of the candidate plans, ``replay`` their predicted peaks, ``codegen`` + ``measure`` the
-fake-tensor steps of the candidates measured.
+fake-tensor steps of the candidates measured, ``region trace`` the trace of the graph with every recomputed
+region or unit (:mod:`fxplan.variants`), ``splice`` the cost graphs of their subsets.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 import fxplan.trace as tracing
-from fxplan import dp, meter, rewriting, search
+from fxplan import dp, meter, rewriting, search, variants
 from fxplan.sweep_model import SweepModel
 from fxplan.trace import trace
 
@@ -48,7 +49,8 @@ from planner_scale import residual_net  # noqa: E402
 STAGES = {"trace": [(rewriting, "trace")], "capture": [(tracing, "capture"), (tracing, "export_after")],
           "probe": [(search, "step_model")], "solve": [(search, "plan_graph")],
           "min": [(search, "min_budget_bytes_graph")], "replay": [(search, "replay")],
-          "codegen": [(meter, "segment_module")], "measure": [(meter, "measure_fake")]}
+          "codegen": [(meter, "segment_module")], "measure": [(meter, "measure_fake")],
+          "region trace": [(variants, "trace")], "splice": [(variants, "spliced")]}
 
 
 def build(name: str, batch: int):

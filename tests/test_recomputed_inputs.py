@@ -14,7 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 import fxplan
+from fxplan import splice
 from fxplan.errors import FxplanError
+from fxplan.meter import PlanMeter
 from fxplan.recomputed_inputs import PREFIX, Recipe, Unit, _Slot, call_recomputing, find_units
 from fxplan.regions import with_regions
 from fxplan.trace import trace
@@ -102,6 +104,59 @@ def test_gpt2_units_drop_the_norms_and_the_gelus_values_and_the_replay_sees_it()
     (plain, _), (with_units, replayed) = peaks
     assert with_units < 0.9 * plain
     assert abs(replayed - with_units) <= 0.001 * with_units
+
+
+def _residual_blocks(blocks: int):
+    """LayerNorm -> Linear -> GELU -> Linear, residual (issue 10's synthetic network), and a fake input."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln, self.fc1, self.fc2 = torch.nn.LayerNorm(16), torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+    with FakeTensorMode():
+        return torch.nn.Sequential(*[Block() for _ in range(blocks)]), (torch.randn(4, 32, 16),)
+
+
+@pytest.mark.parametrize("make", [_gpt2, lambda fake: _residual_blocks(3)], ids=["gpt2", "residual"])
+def test_a_graph_with_units_derived_from_the_captured_graphs_trace_is_the_traced_one(make):
+    model, fake = make(fake=True)
+    plain = trace(model, fake)
+    units = find_units(plain)
+    assert set(plain.graph["unit_savers"]) == {s for u in units for s in u.savers}
+    for subset in (units, units[::2]):
+        got = splice.derived(plain, subset)
+        want = trace(model, fake, captured=with_regions(plain.graph["captured"], subset))
+        assert list(got.nodes) == list(want.nodes)
+        assert {v: dict(got.nodes[v]) for v in got} == {v: dict(want.nodes[v]) for v in want}
+        assert set(got.edges(data="order_only")) == set(want.edges(data="order_only"))
+        for gm in ("gm", "fake"):
+            marks = [{n.name: (n.meta.get("fxplan_mutates"), n.meta.get("fxplan_fresh_output")) for n in
+                      (cg.graph[gm] if gm == "gm" else cg.graph[gm][0]).graph.nodes} for cg in (got, want)]
+            assert marks[0] == marks[1]
+        # which inputs a node's backward gives a gradient: the captured graph's. A trace of the graph with units
+        # also names a recipe's input that shares its autograd node with a value the saver keeps (GPT-2's
+        # embeddings and their sum, Mistral's hidden state and its float32 copy), which no gradient reaches
+        # through the saver; the replay of the derived graph is the closer to the measured peak there.
+        assert got.graph["gradients"] == plain.graph["gradients"]
+        names = list(got.nodes)
+        segments = [names[:len(names) // 3], names[len(names) // 3:]]
+        measured = [PlanMeter(cg, fake, None).measure(segments, {}) for cg in (got, want)]
+        assert measured[0] == measured[1]  # the same peak, the same generated code
+
+
+def test_a_unit_saver_not_probed_is_traced(caplog):
+    model, fake = _residual_blocks(2)
+    plain = trace(model, fake)
+    plain.graph["unit_savers"] = {}  # as a trace of a graph it was handed, not its own capture, leaves it
+    with pytest.raises(splice.SpliceError):
+        splice.derived(plain, find_units(plain))
+    searches = Searches(plain, model, fake, solver="approx")
+    with caplog.at_level("INFO", logger="fxplan"):
+        assert searches.with_regions() is not None
+    assert "instead of deriving it" in caplog.text
 
 
 @pytest.mark.parametrize("fraction", [0.95, 0.7])
