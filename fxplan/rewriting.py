@@ -142,7 +142,8 @@ def fit_budget(
     Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
     then the plan chosen, with seconds and fake-tensor steps."""
     t0 = time.perf_counter()
-    cg = trace(model, example_inputs)
+    # units of recomputed inputs are searched for budgets (fxplan.variants): their savers probed now
+    cg = trace(model, example_inputs, probe_units=budget_bytes is not None and strategy == "time")
     logger.info("fxplan: traced %s with %s: %d nodes, %.1f s; planning for %s", type(model).__name__,
                 cg.graph["captured"].method, cg.number_of_nodes(), time.perf_counter() - t0,
                 "the smallest peak" if budget_bytes is None else f"a budget of {budget_bytes / GiB:.3f} GiB")

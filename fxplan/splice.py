@@ -102,7 +102,7 @@ def derived(plain: CostGraph, units: list) -> CostGraph:
     changes no node but its savers, which run through ``call_recomputing``, keep other values for their
     backward and recompute in it; what that changes of each saver, the trace of the captured graph found by
     running its call once more (``plain.graph["unit_savers"]``). Raises :class:`SpliceError` where a saver
-    was not probed (a trace of a graph it did not capture itself)."""
+    was not probed (a trace without ``probe_units``)."""
     facts = plain.graph.get("unit_savers") or {}
     missing = [s for u in units for s in u.savers if s not in facts]
     if missing:

@@ -88,7 +88,7 @@ COST_MODELS = ("roofline", "measured", "flops", "paper")
 
 
 def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roofline",
-          captured: Captured | None = None) -> CostGraph:
+          captured: Captured | None = None, probe_units: bool = False) -> CostGraph:
     """Capture ``model`` and propagate ``example_inputs`` (real or fake) into a cost graph.
 
     ``example_inputs`` is a tuple of positional arguments, a dict of keyword arguments or one tensor.
@@ -102,11 +102,12 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     ``cg.graph["gm"]`` and the :class:`~fxplan.capture.Captured` record in ``cg.graph["captured"]``.
     Nodes that update buffers in place (BatchNorm statistics of any class, counters) list them in
     ``mutates``, also recorded in the graph node's ``meta["fxplan_mutates"]`` for the rewriter.
+    ``probe_units``: also run the savers of the graph's units of recomputed inputs as the graphs with them run
+    them (``cg.graph["unit_savers"]``), from which a budget search derives those graphs (:func:`_unit_savers`).
     """
     if cost_model not in COST_MODELS:
         raise FxplanError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")
     call = as_call(example_inputs)
-    captured_here = captured is None
     captured = captured or capture(model, call)
     try:
         with fresh_autocast_cache():
@@ -132,7 +133,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     cg.graph["captured"] = captured
     cg.graph["gradients"] = propagator.gradients()
     nx.set_node_attributes(cg, propagator.backward_rises(), "backward_rise")
-    if captured_here:
+    if probe_units:
         try:
             cg.graph["unit_savers"] = _unit_savers(cg, propagator)
         except Exception as error:  # noqa: BLE001 (optional facts: the graphs with units are traced instead)

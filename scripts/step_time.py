@@ -62,7 +62,7 @@ def measure_network(name: str, args: argparse.Namespace, device: torch.device) -
     searches = {}
     for cm in args.cost_models:
         print(f"{name}: tracing and searching ({cm})", file=sys.stderr, flush=True)
-        searches[cm] = Searches(trace(model, inputs, cost_model=cm), model, inputs, solver="approx",
+        searches[cm] = Searches(trace(model, inputs, cost_model=cm, probe_units=True), model, inputs, solver="approx",
                                 loss_fn=entry.loss)
     smallest = min(s.lowest() for s in searches.values())
     middle = (smallest + vanilla_peak) // 2

@@ -54,7 +54,7 @@ def main() -> None:
     inputs = entry.example_inputs(args.batch_size, args.input_size)
     vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
     start = time.perf_counter()
-    searches = Searches(trace(model, inputs), model, inputs, solver="approx", loss_fn=entry.loss)
+    searches = Searches(trace(model, inputs, probe_units=True), model, inputs, solver="approx", loss_fn=entry.loss)
     every = searches.with_regions()
     whole = [searches.plain] + ([every] if every else [])
     modules, taken = {"vanilla": model}, {}

@@ -90,7 +90,7 @@ def test_an_input_changed_in_place_before_backward_is_an_error():
 
 def test_gpt2_units_drop_the_norms_and_the_gelus_values_and_the_replay_sees_it():
     model, fake = _gpt2(fake=True)
-    cg = trace(model, fake)
+    cg = trace(model, fake, probe_units=True)
     units = find_units(cg)
     dropped = {cg.nodes[v]["target"] for u in units for v in u.dropped}
     assert {"layer_norm.default", "mul.Tensor", "add.Tensor"} <= dropped, dropped
@@ -123,7 +123,7 @@ def _residual_blocks(blocks: int):
 @pytest.mark.parametrize("make", [_gpt2, lambda fake: _residual_blocks(3)], ids=["gpt2", "residual"])
 def test_a_graph_with_units_derived_from_the_captured_graphs_trace_is_the_traced_one(make):
     model, fake = make(fake=True)
-    plain = trace(model, fake)
+    plain = trace(model, fake, probe_units=True)
     units = find_units(plain)
     assert set(plain.graph["unit_savers"]) == {s for u in units for s in u.savers}
     for subset in (units, units[::2]):
@@ -149,8 +149,7 @@ def test_a_graph_with_units_derived_from_the_captured_graphs_trace_is_the_traced
 
 def test_a_unit_saver_not_probed_is_traced(caplog):
     model, fake = _residual_blocks(2)
-    plain = trace(model, fake)
-    plain.graph["unit_savers"] = {}  # as a trace of a graph it was handed, not its own capture, leaves it
+    plain = trace(model, fake)  # the savers not probed (probe_units=False)
     with pytest.raises(splice.SpliceError):
         splice.derived(plain, find_units(plain))
     searches = Searches(plain, model, fake, solver="approx")
