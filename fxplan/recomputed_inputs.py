@@ -137,6 +137,35 @@ def _rebuilt_recipe(steps, outputs) -> Recipe:
     return Recipe([(_restored(fn), args, kwargs) for fn, args, kwargs in steps], outputs)
 
 
+class Operator:
+    """A saver's operator handed to :func:`call_recomputing` through a module attribute: FX prints an argument that
+    is a function by its ``repr`` (``<built-in function mul>``), which is no code; ATen operators print as code and
+    are passed as they are. Equal where the operators are (a repeated layer's savers are probed once)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Operator) and other.fn is self.fn
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __reduce__(self):
+        from fxplan.codegen import _portable_target
+
+        return _rebuilt_operator, (_portable_target(self.fn),)
+
+
+def _rebuilt_operator(fn) -> Operator:
+    from fxplan.codegen import _restored
+
+    return Operator(_restored(fn))
+
+
 class _Recomputed:
     """The values one call of a saver dropped: its recipe's inputs (tensors packed by the hooks around, with
     their versions), made again on the first unpack and let go once every saved tensor has been handed out."""
@@ -382,7 +411,13 @@ def saver_node(graph: fx.Graph, nodes: dict[str, fx.Node], unit: Unit, saver: fx
     def module_of(n: fx.Node) -> fx.Node:
         return graph.create_node("get_attr", n.target, name=f"{n.name}_module")
 
-    op = module_of(saver) if saver.op == "call_module" else saver.target
+    if saver.op == "call_module":
+        op = module_of(saver)
+    elif isinstance(saver.target, torch._ops.OpOverload):
+        op = saver.target
+    else:
+        attributes[f"fxplan_operator_{saver.name}"] = Operator(saver.target)
+        op = graph.get_attr(f"fxplan_operator_{saver.name}")
     inputs = (*(env[a] for a in external), *(module_of(n) for n in modules))
     arguments = (op, fx.node.map_arg(saver.args, env.__getitem__), fx.node.map_arg(saver.kwargs, env.__getitem__),
                  graph.get_attr(name), inputs, tuple(env[d] for d in dropped))

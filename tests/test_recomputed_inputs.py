@@ -189,6 +189,42 @@ def test_a_module_with_units_survives_save_load_deepcopy_and_its_plan_applies_ag
     assert all(torch.equal(a, b) for other in grads[1:] for a, b in zip(grads[0], other))
 
 
+class _NormTimesGate(torch.nn.Module):
+    """A LayerNorm's value kept by a product written ``*``: in a ``symbolic_trace`` graph the saver calls
+    ``operator.mul``, which FX cannot print as an argument (the saver's operator goes through an attribute)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.gate, self.out = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = F.layer_norm(x, (16,))
+        return self.out(h * torch.sigmoid(self.gate(x))) + self.norm(x)
+
+
+def test_a_saver_calling_a_python_operator_runs_exactly_and_survives_save_load():
+    torch.manual_seed(0)
+    model, x = _NormTimesGate().train(), torch.randn(4, 32, 16)
+    cg = trace(model, (x,), probe_units=True)
+    units = find_units(cg)
+    savers = {cg.nodes[s]["target"] for u in units for s in u.savers}
+    assert "mul" in savers, savers
+    variant = Searches(cg, model, (x,), solver="approx").with_regions()  # derived: its savers were probed
+    first = next(variant.search.by_recompute(True))
+    variant.search.measure(first)
+    opt = variant.result(first, None)
+    assert opt.fxplan_plan.regions == [u.conv for u in units]
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    grads = []
+    for module in (model, opt, torch.load(buffer, weights_only=False)):
+        module.zero_grad(set_to_none=True)
+        module(x).sum().backward()
+        grads.append([p.grad for p in module.parameters()])
+    assert all(torch.equal(a, b) for other in grads[1:] for a, b in zip(grads[0], other))
+
+
 def test_a_plan_naming_units_of_another_graph_is_refused():
     model, inputs = _gpt2()
     captured = trace(model, inputs).graph["captured"]
