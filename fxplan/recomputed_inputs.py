@@ -247,6 +247,15 @@ def call_recomputing(op, args: tuple, kwargs: dict, recipe: Recipe, inputs: tupl
         live.clear()
 
 
+def saver_operands(node: fx.Node) -> list[fx.Node]:
+    """The nodes a saver's operator reads, of a ``call_recomputing`` node (its module, its arguments): not the
+    recipe's inputs, which it keeps for its backward and gives no gradient."""
+    op, args, kwargs = node.args[:3]
+    operands = [op] if isinstance(op, fx.Node) else []
+    fx.node.map_arg((args, kwargs), operands.append)
+    return list(dict.fromkeys(operands))
+
+
 def _same(t):
     return t
 

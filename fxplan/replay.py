@@ -54,6 +54,7 @@ from fxplan.costgraph import CostGraph
 from fxplan.fakes import FakeMode
 from fxplan.measure import default_loss, device_of, resident_bytes, track_memory
 from fxplan.recompute import host_rng_state_bytes
+from fxplan.recomputed_inputs import call_recomputing, saver_operands
 from fxplan.scratch import charged_bytes, storage_bytes
 from fxplan.subplans import Block
 
@@ -149,7 +150,10 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
         params: list[torch.nn.Parameter] = []
         if node.op == "call_module":
             params += gm.get_submodule(str(node.target)).parameters()
-        for u in node.all_input_nodes:
+        # a unit's saver: the parameters its operator reads, not those of the recipe it keeps (their gradients come
+        # in their own nodes' backward)
+        operands = saver_operands(node) if node.target is call_recomputing else node.all_input_nodes
+        for u in operands:
             if u.op == "get_attr":  # a parameter, or a module handed to a function (its parameters)
                 value = resolve_attr(gm, str(u.target))
                 if isinstance(value, torch.nn.Parameter):

@@ -19,6 +19,7 @@ from fxplan.errors import FxplanError
 from fxplan.meter import PlanMeter
 from fxplan.recomputed_inputs import PREFIX, Recipe, Unit, _Slot, call_recomputing, find_units
 from fxplan.regions import with_regions
+from fxplan.replay import step_model
 from fxplan.trace import trace
 from fxplan.variants import Searches
 
@@ -145,6 +146,17 @@ def test_a_graph_with_units_derived_from_the_captured_graphs_trace_is_the_traced
         segments = [names[:len(names) // 3], names[len(names) // 3:]]
         measured = [PlanMeter(cg, fake, None).measure(segments, {}) for cg in (got, want)]
         assert measured[0] == measured[1]  # the same peak, the same generated code
+
+
+def test_a_savers_parameter_gradients_are_its_operators_not_its_recipes():
+    model, fake = _residual_blocks(2)
+    plain = trace(model, fake, probe_units=True)
+    units = find_units(plain)
+    with_units = splice.derived(plain, units)
+    before = step_model(plain, model, fake).param_grads
+    after = step_model(with_units, model, fake).param_grads
+    savers = {s for u in units for s in u.savers}
+    assert savers and all(after[s] == before[s] for s in savers)  # fc1 and fc2's own, not the LayerNorm's
 
 
 def test_a_unit_saver_not_probed_is_traced(caplog):
