@@ -536,17 +536,16 @@ def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iter
     lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo, resident=resident)
     if walk < most and p.predicted_peak_bytes > lo:
         step = max(step, 1 - (lo / p.predicted_peak_bytes) ** (1 / walk))
-    for k in range(most):
-        if k:
-            yield p
+    for _ in range(most - 1):
         target = p.predicted_peak_bytes - max(1, int(step * p.predicted_peak_bytes))
-        if target < lo or k == most - 1:
+        if target < lo:
             break
         try:
             p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo,
                            max_sets=FRONTIER_SETS, resident=resident)
         except BudgetError:  # below the least peak over the FRONTIER_SETS sets: the plans below follow
             break
+        yield p
     yield plan_graph(cg, model, lo, strategy="time", solver=solver, memory_model=memo, resident=resident)
     yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo, resident=resident)
 

@@ -85,15 +85,7 @@ def spliced(plain: CostGraph, every: CostGraph, regions: list, subset: list) -> 
         if name in passing:
             passes.add(node.name)
         cg.add_edges_from((pred.name, node.name) for pred in node.all_input_nodes if pred.op in _COMPUTE)
-    for before, after in ordering_edges(gm):
-        if not cg.has_edge(before, after):
-            cg.add_edge(before, after, order_only=True)
-    marked = _by_name(gm)
-    for node in fake.graph.nodes:
-        if node.name in cg:
-            node.meta["fxplan_fresh_output"] = marked[node.name].meta["fxplan_fresh_output"]
-    cg.graph.update(gm=gm, captured=captured, gradients=(grad_inputs, frozenset(passes)), fake=(fake, fake_mode))
-    return cg
+    return _finished(cg, captured, (fake, fake_mode), (grad_inputs, frozenset(passes)))
 
 
 def derived(plain: CostGraph, units: list) -> CostGraph:
@@ -127,13 +119,21 @@ def derived(plain: CostGraph, units: list) -> CostGraph:
         for key in _META:
             node.meta[key] = source_nodes[node.name].meta[key]
         cg.add_edges_from((pred.name, node.name) for pred in node.all_input_nodes if pred.op in _COMPUTE)
+    return _finished(cg, captured, (fake, fake_mode), plain.graph["gradients"])
+
+
+def _finished(cg: CostGraph, captured, fake: tuple, gradients: tuple) -> CostGraph:
+    """``cg`` (its nodes and data edges made, and its graph's nodes marked) completed as a trace leaves a cost
+    graph: the ordering edges, the fake twin's marks, and the graph attributes."""
+    gm = captured.gm
     for before, after in ordering_edges(gm):
         if not cg.has_edge(before, after):
             cg.add_edge(before, after, order_only=True)
-    for node in fake.graph.nodes:
+    marked = _by_name(gm)
+    for node in fake[0].graph.nodes:
         if node.name in cg:
-            node.meta["fxplan_fresh_output"] = source_nodes[node.name].meta["fxplan_fresh_output"]
-    cg.graph.update(gm=gm, captured=captured, gradients=plain.graph["gradients"], fake=(fake, fake_mode))
+            node.meta["fxplan_fresh_output"] = marked[node.name].meta["fxplan_fresh_output"]
+    cg.graph.update(gm=gm, captured=captured, gradients=gradients, fake=fake)
     return cg
 
 

@@ -323,17 +323,21 @@ class _CostPropagator(torch.fx.Interpreter):
         for node in self.module.graph.nodes:
             if node.op not in COMPUTE_OPS or not self.grad_fns.get(node.name):
                 continue
-            rise = self.call_rise(node, self.fetch_args_kwargs_from_env(node), known, detached)
+            call = self.fetch_args_kwargs_from_env(node)
+            rise = self.call_rise(node, call, self.call_key(node, call), known, detached)
             if rise:
                 rises[node.name] = rise
         return rises
 
-    def call_rise(self, node: torch.fx.Node, call: tuple, known: dict[tuple, int],
-                  detached: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
-        """The rise of ``node``'s backward run on ``call`` (its args and kwargs), from ``known`` where a call alike
-        was probed (:meth:`_key_of`; the rise is added to it)."""
+    def call_key(self, node: torch.fx.Node, call: tuple) -> tuple | None:
+        """What ``node``'s backward run on ``call`` (its args and kwargs) depends on (:meth:`_key_of`)."""
         op = self.module.get_submodule(str(node.target)) if node.op == "call_module" else node.target
-        key = self._key_of(node.op, op, call)
+        return self._key_of(node.op, op, call)
+
+    def call_rise(self, node: torch.fx.Node, call: tuple, key: tuple | None, known: dict[tuple, int],
+                  detached: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+        """The rise of ``node``'s backward run on ``call``, from ``known`` where a call of the same ``key``
+        (:meth:`call_key`) was probed (the rise is added to it)."""
         if key is not None and key in known:
             return known[key]
         with self.fake_mode:
@@ -535,13 +539,13 @@ def _unit_savers(cg: CostGraph, propagator: _CostPropagator) -> dict[str, dict[s
     owner, resident = _storage_owners(propagator.module, propagator.records), propagator.resident_keys
     facts: dict[str, dict[str, Any]] = {}
     rises: dict[tuple, int] = {}
-    patterns: dict[tuple, tuple] = {}  # a repeated layer's savers run once (_key_of)
+    patterns: dict[tuple, tuple] = {}  # a repeated layer's savers run once (call_key)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not call_recomputing:
             continue
         call = (torch.fx.node.map_arg(node.args, value), torch.fx.node.map_arg(node.kwargs, value))
         flat = _call_tensors(call)
-        key = propagator._key_of(node.op, node.target, call)
+        key = propagator.call_key(node, call)
         pattern = patterns.get(key) if key is not None else None
         if pattern is None:
             pattern = _saved_pattern(propagator.fake_mode, call, flat)
@@ -549,7 +553,7 @@ def _unit_savers(cg: CostGraph, propagator: _CostPropagator) -> dict[str, dict[s
                 patterns[key] = pattern
         saves_output, saved_inputs, extra, saves_resident = _classify_saved(node, _record_of(pattern, flat), owner,
                                                                             resident)
-        rise = propagator.call_rise(node, call, rises) if propagator.grad_fns.get(node.name) else 0
+        rise = propagator.call_rise(node, call, key, rises) if propagator.grad_fns.get(node.name) else 0
         facts[node.name] = dict(kind=_kind(gm, node), target=_target_name(node), saves_output=saves_output,
                                 saved_inputs=saved_inputs, saved=int(extra), saves_resident=saves_resident,
                                 backward_rise=rise)

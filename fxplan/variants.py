@@ -164,20 +164,22 @@ class Searches:
         key = tuple(r.conv for r in subset)
         if key not in self._subsets:
             cg = self.plain.search.cg
-            every = self.with_regions() if self._conv_regions else None
-            if self._conv_regions and every is None:
-                return None
-
-            def graph() -> CostGraph:
+            if self._conv_regions:
+                every = self.with_regions()
                 if every is None:
+                    return None
+
+                def graph() -> CostGraph:
+                    try:
+                        return spliced(cg, every.search.cg, self._regions, subset)
+                    except SpliceError as error:
+                        logger.info("fxplan: tracing a graph with %d regions instead of splicing it (%s)",
+                                    len(subset), error)
+                        return trace(self.model, self.inputs, cost_model=cg.graph["cost_model"],
+                                     captured=with_regions(cg.graph["captured"], subset))
+            else:
+                def graph() -> CostGraph:
                     return self._graph_with(subset)
-                try:
-                    return spliced(cg, every.search.cg, self._regions, subset)
-                except SpliceError as error:
-                    logger.info("fxplan: tracing a graph with %d regions instead of splicing it (%s)",
-                                len(subset), error)
-                    return trace(self.model, self.inputs, cost_model=cg.graph["cost_model"],
-                                 captured=with_regions(cg.graph["captured"], subset))
 
             made = self._guarded(graph)
             if made is None:
