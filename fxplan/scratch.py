@@ -55,6 +55,7 @@ from fxplan.console import filter_native_logs
 from fxplan.errors import FxplanError
 
 logger = logging.getLogger("fxplan")
+aten = torch.ops.aten
 
 #: A call whose argument tensors take more bytes than this is not run for its scratch (0 assumed, logged):
 #: it would allocate them for real.
@@ -188,22 +189,53 @@ OPAQUE_STATE = ("workspace", "reserve", "weight_buf", "dropout_state", "philox",
 def _rnn_layer_state(bound: dict[str, Any]) -> dict[str, Any]:
     """oneDNN's LSTM/GRU layer backward with the workspace (and outputs) its forward makes from the same inputs."""
     with torch.enable_grad():  # the forward makes its workspace only with grad on
-        output, hy, cy, workspace = torch.ops.aten.mkldnn_rnn_layer.default(*(bound[name] for name in (
+        output, hy, cy, workspace = aten.mkldnn_rnn_layer.default(*(bound[name] for name in (
             "input", "weight1", "weight2", "weight3", "weight4", "hx_", "cx_tmp", "reverse", "batch_sizes", "mode",
             "hidden_size", "num_layers", "has_biases", "bidirectional", "batch_first", "train")))
     return {**bound, "output": output, "hy_": hy, "cy_": cy, "workspace": workspace}
 
 
+def _efficient_attention_state(bound: dict[str, Any]) -> dict[str, Any]:
+    """Memory-efficient attention's backward with the output, log-sum-exp and dropout seed and offset its forward
+    makes from the same query, key, value and bias (CUDA; its scratch is the float32 accumulator of the query's
+    gradient, tens of MiB on a ViT-B at batch 64)."""
+    out, logsumexp, seed, offset = aten._scaled_dot_product_efficient_attention.default(
+        bound["query"], bound["key"], bound["value"], bound["attn_bias"], True, bound["dropout_p"],
+        bound["is_causal"], scale=bound.get("scale"))
+    return {**bound, "out": out, "logsumexp": logsumexp, "philox_seed": seed, "philox_offset": offset}
+
+
+def _flash_attention_state(bound: dict[str, Any]) -> dict[str, Any]:
+    """Flash attention's backward with what its forward makes from the same query, key and value."""
+    out, logsumexp, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention.default(
+        bound["query"], bound["key"], bound["value"], bound["dropout_p"], bound["is_causal"], False,
+        scale=bound.get("scale"))
+    return {**bound, "out": out, "logsumexp": logsumexp, "cum_seq_q": cum_q, "cum_seq_k": cum_k, "max_q": max_q,
+            "max_k": max_k, "philox_seed": seed, "philox_offset": offset}
+
+
+def _cudnn_attention_state(bound: dict[str, Any]) -> dict[str, Any]:
+    """cuDNN attention's backward with what its forward makes from the same query, key, value and bias."""
+    out, logsumexp, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention.default(
+        bound["query"], bound["key"], bound["value"], bound["attn_bias"], True, bound["dropout_p"],
+        bound["is_causal"], False, scale=bound.get("scale"))
+    return {**bound, "out": out, "logsumexp": logsumexp, "cum_seq_q": cum_q, "cum_seq_k": cum_k, "max_q": max_q,
+            "max_k": max_k, "philox_seed": seed, "philox_offset": offset}
+
+
 #: Ops taking opaque state (``OPAQUE_STATE``) that an op run first on the same (random) arguments makes: measured
 #: on that state, not on random bytes. Maps the op to what rebuilds its arguments, by schema name.
 STATE_MAKERS: dict[Any, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    torch.ops.aten.mkldnn_rnn_layer_backward.default: _rnn_layer_state,
+    aten.mkldnn_rnn_layer_backward.default: _rnn_layer_state,
+    aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_state,
+    aten._scaled_dot_product_flash_attention_backward.default: _flash_attention_state,
+    aten._scaled_dot_product_cudnn_attention_backward.default: _cudnn_attention_state,
 }
 
 #: Ops whose fake kernel returns a buffer kept for backward as a placeholder and that take opaque state
 #: (``OPAQUE_STATE``), so no real run gives its size: torch's meta kernels of cuDNN's and MIOpen's RNN make
 #: their reserve 0 bytes. A fake-tensor meter cannot count them, and refuses them (:class:`FxplanError`).
-UNCOUNTABLE_ON_FAKE = {torch.ops.aten._cudnn_rnn.default, torch.ops.aten.miopen_rnn.default}
+UNCOUNTABLE_ON_FAKE = {aten._cudnn_rnn.default, aten.miopen_rnn.default}
 
 _MEASURABLE: dict[Any, bool] = {}
 _OPAQUE: set[Any] = set()  # ATen ops not measured for taking opaque state: warned of once (_WARNED)
@@ -338,9 +370,7 @@ def _measure(func: torch._ops.OpOverload, args: tuple, kwargs: dict, key: tuple)
         real_args, real_kwargs = tree_map(_real_like, (args, kwargs))
         try:
             if func in STATE_MAKERS:
-                names = [a.name for a in func._schema.arguments]
-                bound = STATE_MAKERS[func]({**dict(zip(names, real_args)), **real_kwargs})
-                real_args, real_kwargs = tuple(bound[name] for name in names), {}
+                real_args, real_kwargs = with_state_made(func, real_args, real_kwargs)
             with filter_native_logs(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 with record_function(_MARK):
                     real_out = func(*real_args, **real_kwargs)
@@ -354,6 +384,18 @@ def _measure(func: torch._ops.OpOverload, args: tuple, kwargs: dict, key: tuple)
             logger.debug("kernel scratch of %s not measured: %s", func, exc)
             return _NONE
     return Figures(_scratch_in(prof), tuple(sizes))
+
+
+def with_state_made(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``func``'s arguments with the opaque state its :data:`STATE_MAKERS` entry makes from the others, every
+    argument bound by name (defaults included: a dispatched call leaves out those it does not set)."""
+    schema = func._schema.arguments
+    bound = {a.name: a.default_value for a in schema if a.has_default_value()}
+    bound.update(zip((a.name for a in schema), args))
+    bound.update(kwargs)
+    bound = STATE_MAKERS[func](bound)
+    return (tuple(bound[a.name] for a in schema if not a.kwarg_only),
+            {a.name: bound[a.name] for a in schema if a.kwarg_only})
 
 
 def _real_like(x: Any) -> Any:
