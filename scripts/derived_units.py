@@ -28,9 +28,9 @@ from fxplan.replay import replay, step_model  # noqa: E402
 from fxplan.trace import trace  # noqa: E402
 
 
-def timed(fn):
+def timed(fn, *args, **kwargs):
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     return time.perf_counter() - t0, out
 
 
@@ -50,13 +50,13 @@ def main(names: list[str]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         model, inputs = MODELS[name]()
-        t_plain, plain = timed(lambda: trace(model, inputs, probe_units=True))
+        t_plain, plain = timed(trace, model, inputs, probe_units=True)
         units = [u for u in regions_of(plain) if isinstance(u, Unit)]
         if not units:
             print(f"| {name} | 0 | {t_plain:.2f} | - | - | - | - | - | - | - |")
             continue
-        t_derived, got = timed(lambda: splice.derived(plain, units))
-        t_traced, want = timed(lambda: trace(model, inputs, captured=with_regions(plain.graph["captured"], units)))
+        t_derived, got = timed(splice.derived, plain, units)
+        t_traced, want = timed(trace, model, inputs, captured=with_regions(plain.graph["captured"], units))
         nodes = list(got.nodes)
         plans = {"no segment": [nodes], "cut at 1/3": [nodes[:len(nodes) // 3], nodes[len(nodes) // 3:]],
                  "cut at 1/2": [nodes[:len(nodes) // 2], nodes[len(nodes) // 2:]]}
