@@ -106,7 +106,8 @@ def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, s
                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
     """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
     ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
-    return Searches(trace(model, example_inputs), model, example_inputs, solver=solver, loss_fn=loss_fn).lowest()
+    return Searches(trace(model, example_inputs, probe_units=solver != "chen"), model, example_inputs, solver=solver,
+                    loss_fn=loss_fn).lowest()
 
 
 def _captured_for(model: torch.nn.Module, example_inputs: Sequence[Any] | None) -> Captured:
@@ -142,8 +143,8 @@ def fit_budget(
     Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
     then the plan chosen, with seconds and fake-tensor steps."""
     t0 = time.perf_counter()
-    # units of recomputed inputs are searched for budgets (fxplan.variants): their savers probed now
-    cg = trace(model, example_inputs, probe_units=budget_bytes is not None and strategy == "time")
+    # graphs with units of recomputed inputs are searched too (fxplan.variants): their savers probed now
+    cg = trace(model, example_inputs, probe_units=solver != "chen")
     logger.info("fxplan: traced %s with %s: %d nodes, %.1f s; planning for %s", type(model).__name__,
                 cg.graph["captured"].method, cg.number_of_nodes(), time.perf_counter() - t0,
                 "the smallest peak" if budget_bytes is None else f"a budget of {budget_bytes / GiB:.3f} GiB")

@@ -103,7 +103,7 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     Nodes that update buffers in place (BatchNorm statistics of any class, counters) list them in
     ``mutates``, also recorded in the graph node's ``meta["fxplan_mutates"]`` for the rewriter.
     ``probe_units``: also run the savers of the graph's units of recomputed inputs as the graphs with them run
-    them (``cg.graph["unit_savers"]``), from which a budget search derives those graphs (:func:`_unit_savers`).
+    them (``cg.graph["unit_savers"]``), from which the search derives those graphs (:func:`_unit_savers`).
     """
     if cost_model not in COST_MODELS:
         raise FxplanError(f"cost_model must be one of {', '.join(COST_MODELS)}, got {cost_model!r}")

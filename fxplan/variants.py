@@ -19,11 +19,13 @@ forward cost recomputed per step (the cost graph's T, the regions' own recomputa
   only once its regions' own cost is reached. Where no canonical plan of any graph fits, the nested plans
   (:mod:`fxplan.nested`) of the captured graph and of the graph with every region are compared the same way;
 - no budget (the smallest peak): the least recomputation among the two choices (captured graph, every
-  region) within :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
+  region or unit) within :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
 - ``strategy="memory"``: the lower measured peak of those two.
 
-Units of recomputed inputs are searched for budgets only (unless the captured graph fits none): on GPT-2
-their graph's smallest plan was the captured graph's, found in twice the time (docs/rewrite.md).
+The graph with every unit of recomputed inputs is searched for the smallest peak too (since session 26): on
+GPT-2 its smallest plan was the captured graph's (docs/rewrite.md), but on a ViT-B (batch 64, 224², the CPU)
+``fxplan.rewrite(model, None)`` measured 1.489 GiB without it where a budget of 1.3 GiB was met at 1.284 GiB
+with 37 units, and it recomputed less.
 
 Each search is monotone in the budget, so the choice is too: a larger budget never recomputes more.
 The smallest measured peak is the lower of the two searches', and that budget is accepted. ``solver="chen"``
@@ -119,8 +121,6 @@ class Searches:
         # Chen's plans stay the paper's baseline (fxplan.search): no regions for solver="chen"
         self._regions = regions_of(cg) if solver != "chen" else []
         self._region_T = recompute_cost(cg, self._regions)  # what any plan with regions recomputes, at least
-        # convolution regions lower the smallest peak (DenseNet-161: docs/results.md); units of recomputed inputs
-        # did not (GPT-2: docs/rewrite.md), so only budgets are searched with them
         self._conv_regions = any(isinstance(r, Region) for r in self._regions)
         self._with_regions: Variant | None = None
         self._subsets: dict[tuple[str, ...], Variant] = {}  # the graphs with some regions, by their convolutions
@@ -207,7 +207,7 @@ class Searches:
     def lowest(self) -> int:
         """The smallest measured peak of either search (bytes)."""
         plain = self.plain.search.lowest().measured
-        other = self.with_regions() if self._conv_regions else None
+        other = self.with_regions()
         regions = self._guarded(lambda: other.search.lowest().measured) if other else None
         return plain if regions is None else min(plain, regions)
 
@@ -220,10 +220,8 @@ class Searches:
             if found is not None:
                 return found
         plain = _attempt(self.plain, budget_bytes, strategy)
-        if budget_bytes is None or strategy == "memory":
-            needs_more = isinstance(plain, BudgetError) or self._conv_regions
-        else:
-            needs_more = isinstance(plain, BudgetError) or self._region_T < plain.cost[0]
+        needs_more = (budget_bytes is None or strategy == "memory" or isinstance(plain, BudgetError)
+                      or self._region_T < plain.cost[0])
         other = self.with_regions() if needs_more else None
         outcome = self._guarded(lambda: _attempt(other, budget_bytes, strategy)) if other else None
         outcomes = [plain] + ([outcome] if outcome is not None else [])
