@@ -137,7 +137,7 @@ def test_an_op_whose_state_an_earlier_op_makes_runs_on_that_state_only(measured_
      lambda q, lse, seed: (q, q, q, q, q, lse, seed, seed, None, None, None, 32, 32, 0.1, True)),
 ])
 def test_fused_attention_backward_runs_on_the_state_its_forward_makes(backward, args):
-    """A fused attention backward's scratch (on an H200, memory-efficient attention's float32 accumulator: 51 MB
+    """A fused attention backward's scratch (on an H200, memory-efficient attention's float32 workspace: 51 MB
     of ViT-B's 1.66 GB smallest peak, the whole gap between the meter and the allocator) is measured on the
     output, log-sum-exp and dropout seed its forward makes from the same query, key and value. The call as the
     dispatcher makes it leaves out arguments left at their defaults (``is_causal``, ``scale``): binding them
