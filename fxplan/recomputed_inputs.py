@@ -287,7 +287,9 @@ def find_units(cg) -> list[Unit]:
     """The recomputed-input units of the captured graph of ``cg`` (a cost graph of :func:`fxplan.trace.trace`),
     in graph order (module docstring).
 
-    A value joins in graph order where its node is cheap and :func:`recomputable`, its own backward does not
+    A value joins in graph order where its node is cheap and :func:`recomputable`, updates no buffer (the trace's
+    ``mutates``: a functional ``aten.batch_norm`` in training updates its running statistics, and running it again
+    in backward updated them twice), its own backward does not
     keep it, nothing writes it or its inputs in place (the recipe runs on them after the forward pass), it is
     not the model's output, every node that saves it can be
     replaced by a call, and each of its inputs is a parameter, buffer or model input, a value that joined
@@ -316,7 +318,7 @@ def find_units(cg) -> list[Unit]:
                 members.add(node)
             continue
         d = cg.nodes[node.name]
-        if d["saves_output"] or d.get("flops", 1) or node in written or node in in_output \
+        if d["saves_output"] or d.get("flops", 1) or d.get("mutates") or node in written or node in in_output \
                 or any(roots[a] in written for a in node.all_input_nodes) \
                 or not recomputable(node, gm) or any(s.op not in _COMPUTE for s in savers.get(node, ())):
             continue
