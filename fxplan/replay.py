@@ -39,6 +39,7 @@ docs/rewrite.md and docs/planner.md give its residual error.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -242,26 +243,44 @@ class Replay:
 
 
 def replay(cg: CostGraph, sm: StepModel, segments: Sequence[Sequence[str]],
-           children: Mapping[str, Any] | None = None) -> Replay:
+           children: Mapping[str, Any] | None = None, cap: int | None = None) -> Replay | AboveCap:
     """Replay one training step of the plan ``segments`` (module docstring) and return its peaks.
 
     ``children`` nests plans as the rewriter does (:mod:`fxplan.subplans`): a split segment's backward
     recomputes it as its sub-segments, keeping the inputs of all but the last, and each of those is
-    recomputed again for its own backward (:meth:`_Replayer.backward_block`).
+    recomputed again for its own backward (:meth:`_Replayer.backward_block`). ``cap``: stop as soon as the
+    peak is seen to exceed it, and return :class:`AboveCap` instead (a search that only needs to know whether a
+    plan beats a bar need not replay the rest of its step).
     """
-    return replay_blocks(cg, sm, subplans.tree(segments, children))
+    return replay_blocks(cg, sm, subplans.tree(segments, children), cap)
 
 
-def replay_blocks(cg: CostGraph, sm: StepModel, blocks: list[Block]) -> Replay:
+def replay_blocks(cg: CostGraph, sm: StepModel, blocks: list[Block], cap: int | None = None) -> Replay | AboveCap:
     """:func:`replay` of a plan given as its tree of blocks (:mod:`fxplan.subplans`)."""
-    return _Replayer(cg, sm, blocks).run()
+    replayer = _Replayer(cg, sm, blocks) if cap is None else _Replayer(cg, sm, blocks, cap)
+    try:
+        return replayer.run()
+    except _OverCap:
+        return AboveCap(replayer.peak)
+
+
+@dataclass(frozen=True)
+class AboveCap:
+    """A replay stopped where its peak passed the cap: ``peak_bytes`` is a lower bound of the step's peak, above
+    the cap (the peak so far; the rest of the step can only add to it)."""
+
+    peak_bytes: int
+
+
+class _OverCap(Exception):
+    """Raised inside a replay once its peak exceeds the cap."""
 
 
 class _Replayer:
     """One replay: live storages with their holders; a storage is freed when its last holder lets go."""
 
-    def __init__(self, cg: CostGraph, sm: StepModel, blocks: list[Block]):
-        self.sm, self.blocks = sm, blocks
+    def __init__(self, cg: CostGraph, sm: StepModel, blocks: list[Block], cap: int = sys.maxsize):
+        self.sm, self.blocks, self.cap = sm, blocks, cap
         self.facts = facts = sm.facts or graph_facts(cg)
         self.segments = subplans.leaves(blocks)  # the innermost segments, in execution order
         self.k = len(self.segments)
@@ -380,6 +399,8 @@ class _Replayer:
         self.forward_blocks(self.blocks, self._frees(self.order), ("val",), None)
         self.peak = max(self.peak, self.current + self.sm.loss_peak)
         self.loss = self.new(self.sm.loss_held, "loss")
+        if self.peak > self.cap:
+            raise _OverCap
         return self.peak
 
     def forward_blocks(self, blocks: list[Block], frees: dict[int, list[str]], tag: tuple,
@@ -419,6 +440,8 @@ class _Replayer:
                 self.save(v)
             for u in frees.get(self.pos[v], ()):
                 self.release_node(u, (*tag, u))
+            if self.peak > self.cap:
+                raise _OverCap
 
     def backward(self) -> list[int]:
         sm = self.sm
@@ -503,6 +526,8 @@ class _Replayer:
             self.peak = max(self.peak, self.current + sums)
             for old, u in replaced:
                 self.release(old, ("grad", u))
+            if self.peak > self.cap:
+                raise _OverCap
 
     def recompute(self, b: Block) -> None:
         """Re-run a checkpointed block's forward for its backward, as far as checkpoint's early stop lets it

@@ -74,7 +74,7 @@ from fxplan.meter import PlanMeter
 from fxplan.nested import NestedResult, NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph, resident_bytes
 from fxplan.plans import Plan
-from fxplan.replay import Replay, StepModel, replay, replay_blocks, step_model
+from fxplan.replay import AboveCap, Replay, StepModel, replay, replay_blocks, step_model
 from fxplan.subplans import Block
 from fxplan.sweep_model import SweepModel
 
@@ -146,12 +146,27 @@ class Candidate:
     rejected: bool = False
     peaks: tuple[int, list[int]] | None = None  # (whole step, per segment), from ``replay_step``
     code: str | None = None  # the generated code measured (the module over the model must run it)
+    floor: int = 0  # a lower bound of the replayed peak, from a replay stopped at a cap (:meth:`replayed_up_to`)
 
     def _peaks(self) -> tuple[int, list[int]]:
         if self.peaks is None:
             r = self.replay_step(self.plan)
             self.peaks = (r.peak_bytes, r.segment_peak_bytes)
         return self.peaks
+
+    def replayed_up_to(self, limit: float) -> int:
+        """The replayed peak where it is at most ``limit``; else a lower bound of it, above ``limit`` by float
+        rounding at least, so that a test ``replayed <= f(limit)`` gives the same answer on either. A search
+        comparing a plan with a bar replays it only until its peak passes the bar (:func:`fxplan.replay.replay`'s
+        ``cap``): most candidates of a search lose early."""
+        cap = int(limit * (1 + 1e-9)) + 1
+        if self.peaks is None and self.floor <= cap:
+            r = self.replay_step(self.plan, cap)
+            if isinstance(r, AboveCap):
+                self.floor = r.peak_bytes
+            else:
+                self.peaks = (r.peak_bytes, r.segment_peak_bytes)
+        return self.peaks[0] if self.peaks is not None else self.floor
 
     @property
     def replayed(self) -> int:
@@ -200,8 +215,8 @@ class Search:
                 return None
         return Candidate(p, self._replay)
 
-    def _replay(self, p: Plan) -> Replay:
-        return replay(self.cg, self.step, p.segments)
+    def _replay(self, p: Plan, cap: int | None = None) -> Replay | AboveCap:
+        return replay(self.cg, self.step, p.segments, cap=cap)
 
     def _replay_tree(self, blocks: list[Block]) -> int:
         return replay_blocks(self.cg, self.step, blocks).peak_bytes
@@ -250,7 +265,7 @@ class Search:
 
     def _may_fit(self, c: Candidate, budget: float) -> bool:
         """False only if ``c`` cannot fit ``budget`` unless the replay errs by more than the margin."""
-        return c.replayed * self.ratio * (1 - MARGIN) <= budget
+        return c.replayed_up_to(budget / (self.ratio * (1 - MARGIN))) * self.ratio * (1 - MARGIN) <= budget
 
     # ------------------------------------------------------------------------------------ choosing
     def smallest(self) -> Candidate:
@@ -266,9 +281,11 @@ class Search:
         (:meth:`_trusted`), the least replayed peak (ties: least recomputation), measured: another
         candidate could measure lower by at most twice ``TRUST``."""
         best: Candidate | None = None
-        for c in sorted(candidates, key=lambda c: (c.replayed, c.recompute)):
-            if best is not None and (self._trusted() or not self._may_fit(c, best.measured)):
-                break
+
+        def done(c: Candidate) -> bool:
+            return best is not None and (self._trusted() or not self._may_fit(c, best.measured))
+
+        for c in in_replay_order(candidates, done):
             m = self.measure(c)
             if m is not None and (best is None or (m, c.recompute) < (best.measured, best.recompute)):
                 best = c
@@ -383,7 +400,7 @@ class Search:
             if solver == best.plan.solver:
                 low = best
             elif trusted:
-                low = min(group, key=lambda c: (c.replayed, c.recompute))
+                low = next(in_replay_order(group, lambda c: False))
             else:
                 low = self._smallest_of(group)
             if low is not None:
@@ -401,7 +418,8 @@ class Search:
         the replay says fits: where the replay is right, it is trusted from then on (:meth:`could_fit`) and
         that candidate is the answer, in one fake step."""
         if self.trust_replay and not self.measured_candidates():
-            first = next((c for plans in (self._walk, self.floor) for c in plans() if c.replayed <= budget), None)
+            first = next((c for plans in (self._walk, self.floor) for c in plans()
+                          if c.replayed_up_to(budget) <= budget), None)
             if first is not None:
                 self.measure(first)
         found: Candidate | None = None
@@ -433,7 +451,9 @@ class Search:
         """False if ``c``'s replayed peak rules out a measured peak within ``budget``: by more than ``TRUST``
         where the replay is ``trusted`` (every candidate measured so far replayed within it), else by the
         margin of :meth:`_may_fit`."""
-        return c.replayed * (1 - TRUST) <= budget if trusted else self._may_fit(c, budget)
+        if trusted:
+            return c.replayed_up_to(budget / (1 - TRUST)) * (1 - TRUST) <= budget
+        return self._may_fit(c, budget)
 
     def _better(self, c: Candidate, found: Candidate | None, budget: int) -> Candidate | None:
         """``c`` if it fits ``budget`` and beats ``found`` (less recomputation, ties: lower peak), else ``found``;
@@ -500,6 +520,36 @@ class Search:
         c.module.fxplan_plan = plan
         c.module.fxplan_measured_peak_bytes = c.measured
         return c.module
+
+
+def in_replay_order(candidates: list[Candidate], done: Callable[[Candidate], bool]) -> Iterator[Candidate]:
+    """``candidates`` by replayed peak (ties: least recomputation, then their order), until ``done(c)`` says the
+    caller needs no candidate from ``c`` on; ``done`` must be monotone in the replayed peak, as it is asked
+    with a lower bound of it (:meth:`Candidate.replayed_up_to`). Each is replayed only as far as it could
+    still come next: a search for the smallest peak replays the top of a time-centric frontier (little
+    recomputation, a peak several times the smallest) until its peak passes the least seen so far."""
+    least: float = math.inf
+    heap: list[tuple[int, float, int, bool, Candidate]] = []
+    for n, c in sorted(enumerate(candidates), key=lambda nc: nc[1].plan.predicted_peak_bytes or 0):
+        value = c.replayed_up_to(least * (1 + _REPLAY_WINDOW)) if least < math.inf else c.replayed
+        exact = c.peaks is not None
+        if exact:
+            least = min(least, value)
+        heapq.heappush(heap, (value, c.recompute, n, exact, c))
+    while heap:
+        value, recompute, n, exact, c = heap[0]
+        if done(c):
+            return
+        heapq.heappop(heap)
+        if exact:
+            yield c
+        else:
+            heapq.heappush(heap, (c.replayed, recompute, n, True, c))
+
+
+#: How far above the least replayed peak seen so far :func:`in_replay_order` replays candidates in full at
+#: first; those above it are replayed to the end only if the caller asks for them.
+_REPLAY_WINDOW = 2 * MARGIN
 
 
 def replayed_within_trust(measured: list[Candidate]) -> bool:

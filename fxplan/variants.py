@@ -356,7 +356,7 @@ class _CheapestFit:
         measured = self.searches.measured_candidates()
         first = self.passed_over is not None and not measured
         if first:
-            if c.replayed > self.budget:
+            if c.replayed_up_to(self.budget) > self.budget:
                 self.passed_over.append((variant, c))
                 return
         elif not variant.search.could_fit(c, self.budget, self.searches.trusted(measured)):
