@@ -204,6 +204,7 @@ class Search:
         self._lowest: Candidate | None = None
         self.meter = PlanMeter(cg, example_inputs, loss_fn)
         self._nested: NestedSearch | None = None  # the nested search of :meth:`lowest`, once run
+        self._by_replay: tuple[Candidate, Candidate] | None = None  # (start, lowest found): :meth:`_replayed_lowest`
         self._nested_candidates: dict[tuple, Candidate] = {}  # by plan: :meth:`_nested_candidate`
         self._misses = 0  # nested plans chosen by replay that measured above what they had to fit: _confirmed
 
@@ -300,7 +301,8 @@ class Search:
         the replay under-predicted it by more than ``TRUST``, the search is made again, measuring."""
         if self._lowest is None:
             smallest = self.smallest()  # measures the candidates the replay is judged by
-            self._lowest = self._nested_search(smallest, self._trusted())
+            trusted = self._trusted()
+            self._lowest = self._replayed_lowest(smallest) if trusted else self._nested_search(smallest, False)
             if self._lowest.measured is None:
                 m = self.measure(self._lowest)
                 if m is None or m > self._lowest.replayed * (1 + TRUST):
@@ -310,17 +312,35 @@ class Search:
                     self._lowest = smallest
         return self._lowest
 
+    def may_measure_at_most(self, bar: int) -> bool:
+        """False if no plan of this search measures at most ``bar`` bytes, judged by the replay where nothing is
+        measured yet: its lowest plan by replay (:meth:`_replayed_lowest` from the least replayed candidate)
+        replays above ``bar`` by more than ``TRUST``. For a search whose replay another search of the same
+        trace vouches for (:meth:`fxplan.variants.Searches.smallest_choices`); :meth:`lowest` reuses what it
+        finds."""
+        if self._lowest is not None:
+            return self._lowest.measured <= bar
+        start = next(in_replay_order([*self._walk(), *self.floor()], lambda c: False))
+        return self._replayed_lowest(start).peak * (1 - TRUST) <= bar
+
+    def _replayed_lowest(self, start: Candidate) -> Candidate:
+        """The lowest of ``start`` and the nested plans found from it by replay alone (:meth:`_nested_search`,
+        trusted), kept per start: the same search whether or not anything was measured before it."""
+        if self._by_replay is None or self._by_replay[0] is not start:
+            self._by_replay = start, self._nested_search(start, True)
+        return self._by_replay[1]
+
     def _nested_search(self, lowest: Candidate, trusted: bool) -> Candidate:
         """The lowest of ``lowest`` (:meth:`smallest`) and the nested plans found from :meth:`_seeds` (ranked by
         replay if ``trusted``, then not measured), keeping the nested search for :meth:`_nested_fit`."""
         self._nested = nested = NestedSearch(self.cg, self.meter, replayed=self._replay_tree, trusted=trusted)
         found_at = None
-        for group in self._seeds(trusted) if nested.max_measurements > 0 else []:
+        for group in self._seeds(trusted, lowest) if nested.max_measurements > 0 else []:
             nested.start_group()  # a budget per solver: see _seeds
             for seed in group:
                 if nested.total_left <= 0:
                     break
-                found = nested.improve(seed.plan, seed.peak, seed.segment_replayed)
+                found = nested.improve(seed.plan, seed.replayed if trusted else seed.peak, seed.segment_replayed)
                 # found.measured is replayed where the search trusts the replay: compared with a replay
                 if found is not None and found.measured < (lowest.replayed if trusted else lowest.measured):
                     lowest, found_at = self._nested_candidate(found, seed.plan), (found, seed.plan)
@@ -340,7 +360,7 @@ class Search:
     def _distrust(self, why: str) -> None:
         """Forget the nested plans ranked by replay: from now on the nested search measures its moves."""
         logger.info("fxplan: the replay missed a nested plan (%s); searching again, measuring", why)
-        self.trust_replay, self._lowest, self._nested = False, None, None
+        self.trust_replay, self._lowest, self._nested, self._by_replay = False, None, None, None
 
     def _confirmed(self, c: Candidate, limit: int, budget_bytes: int | None, strategy: str) -> Candidate:
         """``c``, measured, if it measures at most ``limit``; else (a nested plan the replay under-predicted)
@@ -380,18 +400,18 @@ class Search:
             c.measured, c.code = found.measured, found.code
         return c
 
-    def _seeds(self, trusted: bool) -> list[list[Candidate]]:
-        """Where the nested search starts, one list per solver: the smallest candidate, then the smallest of
-        each other solver's candidates (so a DP solver's search starts where ``solver="chen"``'s does, and
-        ends at most as high); after each, its solver's other plans whose replay is within the margin of
-        :meth:`_may_fit` of the first's peak, by peak (at most ``SEEDS_PER_SOLVER`` in all; ``trusted``:
-        by replayed peaks, measuring none), each searched while the solver's budget of measurements lasts
+    def _seeds(self, trusted: bool, best: Candidate) -> list[list[Candidate]]:
+        """Where the nested search starts, one list per solver: ``best`` (the smallest candidate), then the
+        smallest of each other solver's candidates (so a DP solver's search starts where ``solver="chen"``'s
+        does, and ends at most as high); after each, its solver's other plans whose replay is within the margin
+        of :meth:`_may_fit` of the first's peak, by peak (at most ``SEEDS_PER_SOLVER`` in all; ``trusted``: by
+        replayed peaks alone, measuring none and reading no measurement, so that the search is the same before
+        and after the candidates are measured), each searched while the solver's budget of measurements lasts
         (:meth:`lowest` keeps the lowest; the budget is per solver, so that the search from Chen's plans
         is the one ``solver="chen"`` makes). The search is local, and where it ends depends on where it
         starts: on ResNet-50 at batch 96 it lowers nothing from the approximate DP's smallest plan (2.39
         GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB (docs/rewrite.md); at batch 8 four of Chen's plans
         measure the same peak and lead to different ends."""
-        best = self.smallest()
         by_solver: dict[str, list[Candidate]] = {}
         for c in [*self._walk(), *self.floor()]:
             by_solver.setdefault(c.plan.solver, []).append(c)
@@ -403,12 +423,16 @@ class Search:
                 low = next(in_replay_order(group, lambda c: False))
             else:
                 low = self._smallest_of(group)
-            if low is not None:
+            if low is None:
+                continue
+            if trusted:
+                near = [c for c in group if c is not low and not c.rejected
+                        and c.replayed_up_to(low.replayed / (1 - MARGIN)) * (1 - MARGIN) <= low.replayed]
+                others = sorted(near, key=lambda c: (c.replayed, c.recompute))
+            else:
                 near = [c for c in group if c is not low and not c.rejected and self._may_fit(c, low.peak)]
-                if not trusted:
-                    near = [c for c in near if self.measure(c) is not None]
-                others = sorted(near, key=lambda c: (c.peak, c.recompute))
-                groups.append([low, *others][:SEEDS_PER_SOLVER])
+                others = sorted((c for c in near if self.measure(c) is not None), key=lambda c: (c.peak, c.recompute))
+            groups.append([low, *others][:SEEDS_PER_SOLVER])
         return groups
 
     def least_recompute(self, budget: int) -> Candidate | None:

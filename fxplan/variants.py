@@ -20,6 +20,8 @@ forward cost recomputed per step (the cost graph's T, the regions' own recomputa
   (:mod:`fxplan.nested`) of the captured graph and of the graph with every region are compared the same way;
 - no budget (the smallest peak): the least recomputation among the two choices (captured graph, every
   region or unit) within :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
+  the graph with every region or unit is searched first, and the captured graph's plans are measured only
+  where their replay may come within that (:meth:`Searches.smallest_choices`);
 - ``strategy="memory"``: the lower measured peak of those two.
 
 The graph with every unit of recomputed inputs is searched for the smallest peak too (since session 26): on
@@ -205,11 +207,36 @@ class Searches:
         return subsets
 
     def lowest(self) -> int:
-        """The smallest measured peak of either search (bytes)."""
-        plain = self.plain.search.lowest().measured
+        """The smallest measured peak of either search (bytes); the captured graph's is not measured where its
+        replay rules out that it is lower (:meth:`smallest_choices`)."""
         other = self.with_regions()
         regions = self._guarded(lambda: other.search.lowest().measured) if other else None
-        return plain if regions is None else min(plain, regions)
+        if regions is None:
+            return self.plain.search.lowest().measured
+        if self._ruled_out(regions - 1):
+            return regions
+        return min(self.plain.search.lowest().measured, regions)
+
+    def smallest_choices(self, strategy: str) -> list[Choice | BudgetError]:
+        """The choices without a budget (``strategy``) of the graphs that may give the answer (module docstring):
+        the graph with every region or unit first, then the captured graph unless its replay rules out a plan
+        measuring within ``NEGLIGIBLE`` of the first graph's choice (for ``"memory"``: at most its peak). The
+        graph with units is the lower on most models (six of eight held-out ones: docs/rewrite.md), and a
+        graph ruled out costs no fake step: the replay is vouched for by the first graph's measurements, as
+        :class:`_CheapestFit` takes it across graphs."""
+        other = self.with_regions()
+        first = self._guarded(lambda: _attempt(other, None, strategy)) if other else None
+        if not isinstance(first, Choice):
+            return [_attempt(self.plain, None, strategy)]
+        bar = first.measured if strategy == "memory" else math.floor(first.measured * (1 + NEGLIGIBLE))
+        if self._ruled_out(bar):
+            return [first]
+        return [_attempt(self.plain, None, strategy), first]
+
+    def _ruled_out(self, bar: int) -> bool:
+        """True if the captured graph's search cannot measure at most ``bar`` by the replay, trusted as
+        :meth:`trusted` says on the candidates measured so far (:meth:`fxplan.search.Search.may_measure_at_most`)."""
+        return self.trusted(self.measured_candidates()) and not self.plain.search.may_measure_at_most(bar)
 
     def choose(self, budget_bytes: int | None, strategy: str, *, report_smallest: bool = True) -> Choice:
         """The choice for a whole-step budget (bytes; None: the smallest) and strategy (module docstring);
@@ -219,12 +246,14 @@ class Searches:
             found = self._cheapest_canonical(budget_bytes)
             if found is not None:
                 return found
-        plain = _attempt(self.plain, budget_bytes, strategy)
-        needs_more = (budget_bytes is None or strategy == "memory" or isinstance(plain, BudgetError)
-                      or self._region_T < plain.cost[0])
-        other = self.with_regions() if needs_more else None
-        outcome = self._guarded(lambda: _attempt(other, budget_bytes, strategy)) if other else None
-        outcomes = [plain] + ([outcome] if outcome is not None else [])
+        if budget_bytes is None:
+            outcomes = self.smallest_choices(strategy)
+        else:
+            plain = _attempt(self.plain, budget_bytes, strategy)
+            needs_more = strategy == "memory" or isinstance(plain, BudgetError) or self._region_T < plain.cost[0]
+            other = self.with_regions() if needs_more else None
+            outcome = self._guarded(lambda: _attempt(other, budget_bytes, strategy)) if other else None
+            outcomes = [plain] + ([outcome] if outcome is not None else [])
         fits = [o for o in outcomes if isinstance(o, Choice)]
         if not fits:
             error = min(outcomes, key=lambda e: e.min_feasible_bytes or math.inf)

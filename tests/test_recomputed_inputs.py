@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from fxplan.meter import PlanMeter
 from fxplan.recomputed_inputs import PREFIX, Recipe, Unit, _Slot, call_recomputing, find_units
 from fxplan.regions import with_regions
 from fxplan.replay import step_model
+from fxplan.search import NEGLIGIBLE
 from fxplan.trace import trace
 from fxplan.variants import Searches
 
@@ -184,6 +186,23 @@ def test_the_smallest_peak_is_searched_with_units_too():
     assert fxplan.min_budget_bytes(model, fake) == smallest.fxplan_measured_peak_bytes
     with pytest.raises(fxplan.BudgetError):
         fxplan.rewrite(model, None, example_inputs=fake, budget_bytes=smallest.fxplan_measured_peak_bytes - 1)
+
+
+def test_the_captured_graph_costs_no_fake_step_where_its_replay_rules_it_out(monkeypatch):
+    """Without a budget the graph with every unit is searched first, and the captured graph's plans are measured
+    only where their replay may come within ``NEGLIGIBLE`` of that graph's choice (the replay vouched for by its
+    measurements). On this GPT-2 the captured graph's lowest is 1.2% higher: none of its plans is measured, and
+    the answer is the one searching both graphs in full gives."""
+    model, fake = _gpt2(fake=True)
+    quick = Searches(trace(model, fake, probe_units=True), model, fake, solver="approx")
+    chosen = quick.choose(None, "time")
+    assert quick.plain.search.meter.steps == 0 and chosen.variant is not quick.plain
+    monkeypatch.setattr(Searches, "_ruled_out", lambda self, bar: False)
+    full = Searches(trace(model, fake, probe_units=True), model, fake, solver="approx")
+    both = full.choose(None, "time")
+    assert full.plain.search.meter.steps > 0
+    assert full.plain.search.lowest().measured > math.floor(both.measured * (1 + NEGLIGIBLE))
+    assert (chosen.measured, chosen.cost) == (both.measured, both.cost)
 
 
 def test_no_unit_runs_a_node_that_updates_buffers_again():
