@@ -20,6 +20,7 @@ import torch
 from fxplan import collector
 from fxplan.capture import Captured, ExampleCall, capture, symbolic_trace_module
 from fxplan.codegen import SegmentedModule, segment_module
+from fxplan.costgraph import CostGraph
 from fxplan.errors import FxplanError
 from fxplan.measure import GiB, measure_step
 from fxplan.planning import budget_to_bytes, check_choices
@@ -106,8 +107,14 @@ def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, s
                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
     """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
     ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
-    return Searches(trace(model, example_inputs, probe_units=solver != "chen"), model, example_inputs, solver=solver,
+    return Searches(_traced(model, example_inputs, solver), model, example_inputs, solver=solver,
                     loss_fn=loss_fn).lowest()
+
+
+def _traced(model: torch.nn.Module, example_inputs: Sequence[Any], solver: str) -> CostGraph:
+    """The cost graph the search plans on: the savers of units of recomputed inputs probed, as every search but
+    Chen's also plans the graphs with units (:mod:`fxplan.variants`)."""
+    return trace(model, example_inputs, probe_units=solver != "chen")
 
 
 def _captured_for(model: torch.nn.Module, example_inputs: Sequence[Any] | None) -> Captured:
@@ -143,8 +150,7 @@ def fit_budget(
     Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
     then the plan chosen, with seconds and fake-tensor steps."""
     t0 = time.perf_counter()
-    # graphs with units of recomputed inputs are searched too (fxplan.variants): their savers probed now
-    cg = trace(model, example_inputs, probe_units=solver != "chen")
+    cg = _traced(model, example_inputs, solver)
     logger.info("fxplan: traced %s with %s: %d nodes, %.1f s; planning for %s", type(model).__name__,
                 cg.graph["captured"].method, cg.number_of_nodes(), time.perf_counter() - t0,
                 "the smallest peak" if budget_bytes is None else f"a budget of {budget_bytes / GiB:.3f} GiB")

@@ -145,7 +145,9 @@ def test_a_rewritten_transformer_survives_torch_save_and_load():
     model = entry.build()
     inputs = entry.example_inputs()
     vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
-    optimized = fxplan.rewrite(copy.deepcopy(model), budget_bytes=int(0.8 * vanilla), example_inputs=inputs)
+    # below the peak of every unit without segments (256,072 bytes of 331,848, 0.772): at 0.8 of vanilla that plan
+    # or one with two segments was chosen, depending on the machine's time costs (their recomputation differs by 0.2%)
+    optimized = fxplan.rewrite(copy.deepcopy(model), budget_bytes=int(0.77 * vanilla), example_inputs=inputs)
     assert optimized.fxplan_plan.num_segments > 1 and optimized.fxplan_plan.regions  # segments and recipes
     buffer = io.BytesIO()
     torch.save(optimized, buffer)
