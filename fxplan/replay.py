@@ -257,7 +257,7 @@ def replay(cg: CostGraph, sm: StepModel, segments: Sequence[Sequence[str]],
 
 def replay_blocks(cg: CostGraph, sm: StepModel, blocks: list[Block], cap: int | None = None) -> Replay | AboveCap:
     """:func:`replay` of a plan given as its tree of blocks (:mod:`fxplan.subplans`)."""
-    replayer = _Replayer(cg, sm, blocks) if cap is None else _Replayer(cg, sm, blocks, cap)
+    replayer = _Replayer(cg, sm, blocks, sys.maxsize if cap is None else cap)
     try:
         return replayer.run()
     except _OverCap:
