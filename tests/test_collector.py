@@ -59,12 +59,17 @@ def test_spared_freezes_what_exists_and_still_collects_new_cycles(collector_rest
     assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
-def test_spared_leaves_a_freeze_made_by_the_user(collector_restored):
+def test_spared_leaves_a_freeze_made_by_the_user(collector_restored, monkeypatch):
     gc.freeze()
-    frozen = gc.get_freeze_count()
-    with collector.spared():
-        pass
-    assert gc.get_freeze_count() == frozen
+    # frozen objects may still die by reference counting (a CI run lost 2 of 1.3 million inside this test), so
+    # the freeze count cannot say whether spared() froze or unfroze: the calls are recorded instead
+    calls = []
+    with monkeypatch.context() as patched:
+        patched.setattr(gc, "freeze", lambda: calls.append("freeze"))
+        patched.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+        with collector.spared():
+            pass
+    assert not calls and gc.get_freeze_count() > 0
 
 
 def test_rewrite_and_solves_leave_the_collector_as_they_found_it(collector_restored, monkeypatch):
