@@ -27,13 +27,19 @@ bytes of live storages as :func:`fxplan.measure_step` does:
   trace (``forward_rise``, ``backward_rise``: an attention that PyTorch runs as matmuls, a softmax and
   a dropout holds several tensors of the attention matrix's size), count at the moment it runs;
 * nested plans: a checkpoint made while its enclosing block is recomputed lets go of its inputs once it
-  has been recomputed itself.
+  has been recomputed itself;
+* the buffer guard (:class:`fxplan.recompute.BufferGuard`): before each checkpointed block's forward, at
+  every level, a copy of each buffer the block updates (a BatchNorm's running statistics), kept as long as
+  the block's inputs, or, for a block checkpointed inside one whose forward runs under checkpoint, until
+  its own backward.
 
 Which inputs receive gradients is recorded by the trace's propagation (:mod:`fxplan.trace`); what the
 loss holds, its peak and how large its gradients of the outputs are, by running it on fake outputs
 (:func:`probe_loss`). The peak is the largest total, resident bytes (parameters, buffers, inputs,
 existing gradients) included. What it does not see: a recomputation that checkpoint stops in the middle
-of a node that PyTorch runs as several ops (GPT-2's attention in plans nested three deep: up to 4.4%).
+of a node that PyTorch runs as several ops (GPT-2's attention in plans nested three deep: up to 4.4%), and
+the guard's copies swapped in for a recomputation, which a recomputed BatchNorm keeps for its backward
+(ResNet-18 and DenseNet-121 nested plans: up to 0.007% and 0.07% under).
 docs/rewrite.md and docs/planner.md give its residual error.
 """
 
@@ -54,7 +60,7 @@ from fxplan.capture import as_call, resolve_attr
 from fxplan.costgraph import CostGraph
 from fxplan.fakes import FakeMode
 from fxplan.measure import default_loss, device_of, resident_bytes, track_memory
-from fxplan.recompute import host_rng_state_bytes
+from fxplan.recompute import STATEFUL_NORMS, host_rng_state_bytes
 from fxplan.recomputed_inputs import call_recomputing, saver_operands
 from fxplan.scratch import charged_bytes, storage_bytes
 from fxplan.subplans import Block
@@ -116,6 +122,8 @@ class StepModel:
     ``rng_state_bytes``: the CPU generator state each checkpoint keeps, as the meter counts it (a model on
     the CPU; 0 elsewhere: it lives in host memory, which a device's meter does not count), where a block
     holds one of ``random_nodes`` (:func:`fxplan.effects.may_draw_random`; other blocks keep no state).
+    ``guarded``: per node, ``(key, bytes)`` of the buffers it updates in place, which the buffer guard of a
+    checkpointed block holding it copies before the block's forward (:class:`fxplan.recompute.BufferGuard`).
     """
 
     resident: int
@@ -133,6 +141,7 @@ class StepModel:
     facts: GraphFacts | None = field(default=None, compare=False, repr=False)
     rng_state_bytes: int = 0
     random_nodes: frozenset[str] = frozenset()
+    guarded: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
 
 def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -142,6 +151,7 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     grad_inputs, passes = cg.graph["gradients"]
     loss = probe_loss(cg, loss_fn)
     param_grads: dict[str, tuple[tuple[int, int], ...]] = {}
+    guarded: dict[str, tuple[tuple[int, int], ...]] = {}
     views: dict[str, str] = {}
     inplace: dict[str, str] = {}
     random_inplace: set[str] = set()
@@ -163,6 +173,7 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
                     params += value.parameters()
         param_grads[node.name] = tuple((id(p), charged_bytes(p.numel() * p.element_size(), p.device))
                                        for p in params if p.requires_grad)
+        guarded[node.name] = _guarded_buffers(gm, node)
         mutated = effects.mutated_arg(node, gm)
         source = effects.view_source(node, gm)
         if mutated is not None:
@@ -181,7 +192,20 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     random_nodes = frozenset(n.name for n in gm.graph.nodes if n.name in cg and effects.may_draw_random(n, gm))
     return StepModel(resident, grads_exist, param_grads, outputs, loss.output_grad, views, inplace, grad_inputs,
                      passes, frozenset(random_inplace), loss.held, loss.peak, graph_facts(cg), rng_state,
-                     random_nodes)
+                     random_nodes, guarded)
+
+
+def _guarded_buffers(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple[int, int], ...]:
+    """``(key, bytes)`` of the buffers a checkpointed block's guard copies for ``node``: those it updates in place
+    (the trace's ``mutates``), and every buffer of a norm layer it calls in training
+    (:meth:`fxplan.recompute.Segment._known_mutating`)."""
+    buffers = [resolve_attr(gm, key) for key in node.meta.get("fxplan_mutates", ())]
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if isinstance(module, STATEFUL_NORMS) and module.training:
+            buffers += module.buffers()
+    found = {id(b): storage_bytes(b) for b in buffers if isinstance(b, torch.Tensor)}
+    return tuple(found.items())
 
 
 @dataclass(frozen=True)
@@ -303,6 +327,7 @@ class _Replayer:
         self.grad: dict[str, int] = {}  # node -> the storage of its gradient, while backward needs it
         self.slots: dict[str, list[int]] = {}  # node -> its other outputs' gradients (besides grad[node])
         self.seen_params: set[int] = set()
+        self.forward_guards: dict[int, int] = {}  # id of a block checkpointed inside another -> its guard's copies
         self._next = 0
 
     def _walk(self, blocks: list[Block], ends: list[int]) -> None:
@@ -421,6 +446,11 @@ class _Replayer:
                     self.hold(sid, ("ckpt", id(b)))
                 if self._keeps_rng_state(names):  # the generator state checkpoint keeps with them
                     self.inputs[id(b)].append(self.new(self.sm.rng_state_bytes, ("ckpt", id(b))))
+                guard = self._guard_bytes(names)
+                if guard:  # the buffer guard's copies of the buffers the block updates
+                    self.inputs[id(b)].append(self.new(guard, ("ckpt", id(b))))
+                if b.sub is not None and tag == ("val",):
+                    self._inner_guards(b.sub)
                 self._run(names, frees, tag, run, None, saving=False, outputs=outputs)
             elif b.sub is not None:
                 self.forward_blocks(b.sub, frees, tag, run, unrun)
@@ -472,6 +502,23 @@ class _Replayer:
             for j in range(len(b.sub) - 1, -1, -1):
                 self.backward_block(b.sub, j, in_recompute or checkpointed)
         self._release_inputs(b)
+        if id(b) in self.forward_guards:
+            self.release(self.forward_guards.pop(id(b)), ("fguard", id(b)))
+
+    def _guard_bytes(self, names: list[str]) -> int:
+        """Bytes of the buffer guard's copies for a checkpointed block of ``names``."""
+        return sum(dict(item for v in names for item in self.sm.guarded.get(v, ())).values())
+
+    def _inner_guards(self, level: list[Block]) -> None:
+        """The guards of the checkpointed blocks inside one whose forward runs (under checkpoint): each made as
+        its block runs, kept by the forward's graph until that block's backward."""
+        for i, c in enumerate(level):
+            names = [v for leaf in subplans.leaves([c]) for v in leaf]
+            guard = self._guard_bytes(names) if i < len(level) - 1 else 0
+            if guard:
+                self.forward_guards[id(c)] = self.new(guard, ("fguard", id(c)))
+            if c.sub is not None:
+                self._inner_guards(c.sub)
 
     def _keeps_rng_state(self, names: list[str]) -> bool:
         return bool(self.sm.rng_state_bytes) and not self.sm.random_nodes.isdisjoint(names)

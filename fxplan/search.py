@@ -30,21 +30,21 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
 
 4. **Below the canonical plans.** When no candidate fits B, and for the smallest peak (no budget, or
    ``strategy="memory"``), the nested search of :mod:`fxplan.nested` starts from the candidate of least
-   measured peak, from each other solver's smallest candidate and from their solvers' next plans by
-   measured peak (:meth:`Search._seeds`, within a budget of measurements per solver), and looks
-   for a nested plan (sub-segments checkpointed inside segments) that measures lower; the lowest found
-   is taken (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan
-   returned is the least recomputation among the nested plans measured that fit
-   (:meth:`fxplan.nested.NestedSearch.cheapest`). At a budget some canonical plan fits, a nested plan that
-   fits and recomputes less is returned instead, looked for where the canonical plan recomputes at least as
-   much as one of the other solvers' smallest plans (:meth:`Search.cheaper_nested`). The nested search
-   measures at most :func:`fxplan.nested.measurement_budget` candidates per starting plan (48, fewer above 500 nodes, none above 24,000) and as many for all of a
-   solver's starting plans together, and only moves whose replayed peak could win. Where the replay
-   predicted every candidate measured before the nested search to within ``TRUST``, the nested search
-   ranks its moves by replay and measures none: the nested plan it takes is measured (and so is any
-   nested plan chosen for a budget), and one that measures above its replay by more than ``TRUST``, or
-   above the budget, sends the search back to measuring every move: the fake-tensor step stays the
-   final check. Where nesting gains nothing, results are the canonical search's; where it does, a
+   measured peak, from each other solver's smallest candidate and from their solvers' next plans by measured
+   peak (:meth:`Search._seeds`, within a budget of measurements per solver), and looks for a nested plan
+   (sub-segments checkpointed inside segments) that measures lower; the lowest found is taken
+   (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan returned is the
+   least recomputation among the nested plans measured that fit (:meth:`fxplan.nested.NestedSearch.cheapest`).
+   At a budget some canonical plan fits, a nested plan that fits and recomputes less is returned instead,
+   looked for where the canonical plan recomputes at least as much as one of the other solvers' smallest plans
+   (:meth:`Search.cheaper_nested`). The nested search measures at most
+   :func:`fxplan.nested.measurement_budget` candidates per starting plan (48, fewer above 500 nodes, none
+   above 24,000) and as many for all of a solver's starting plans together, and only moves whose replayed peak
+   could win. Where the replay predicted every candidate measured before the nested search to within
+   ``TRUST``, the nested search ranks its moves by replay and measures none: the nested plan it takes is
+   measured (and so is any nested plan chosen for a budget), and one that measures above its replay by more
+   than ``TRUST``, or above the budget, sends the search back to measuring every move: the fake-tensor step
+   stays the final check. Where nesting gains nothing, results are the canonical search's; where it does, a
    budget below the canonical plans is met instead of refused.
 
 Because the candidate set does not depend on B and the choice is "least recomputation among those
