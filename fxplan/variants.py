@@ -289,7 +289,8 @@ class Searches:
         """``found``, or a nested plan of the captured graph or of the graph with every region that fits
         ``budget_bytes`` and costs less (:meth:`fxplan.search.Search.cheaper_nested`)."""
         best, bar = found, found.cost[0]  # each graph's nested plans against the canonical plan's cost
-        for variant in (self.plain, self.with_regions()):
+        with_regions = self.with_regions() if self._region_T < bar else None  # made only where it could win
+        for variant in (self.plain, with_regions):
             total_T = variant.search.cg.total_T() if variant is not None else 0.0
             if total_T <= 0 or variant.region_T >= bar:
                 continue
