@@ -401,6 +401,8 @@ class Search:
         budgets well above the smallest peak have canonical plans that recompute less. Not a bound: a nested plan
         may recompute less than every one of those plans (a tiny Llama's smallest nested plan over every
         unit, 0.78 against 1.28) and so beat a canonical plan that recomputes less than they do."""
+        if recompute <= 0:
+            return None
         reference = self.floor() or list(self._walk())
         if not reference or recompute < min(c.recompute for c in reference):
             return None
