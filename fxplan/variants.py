@@ -19,8 +19,8 @@ forward cost recomputed per step (the cost graph's T, the regions' own recomputa
   only once its regions' own cost is reached. The nested plans (:mod:`fxplan.nested`) of the captured graph
   and of the graph with every region are compared the same way where no canonical plan of any graph fits,
   and where one does and they may cost less (:meth:`Searches._cheaper_nested`: a tiny Llama at 0.77 of its
-  plain peak was given five segments over every unit, 1.37 of a forward recomputed, where a nested plan of a
-  smaller budget's choice fitted at 0.78);
+  plain peak was given five segments over every unit, 1.37 of a forward recomputed, though the nested plan
+  that 0.76 was given, recomputing 0.92, fits it too);
 - no budget (the smallest peak): the least recomputation among the two choices (captured graph, every
   region or unit) within :data:`fxplan.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
   the graph with every region or unit is searched first, and the captured graph's plans are measured only
