@@ -122,7 +122,7 @@ class StepModel:
     ``rng_state_bytes``: the CPU generator state each checkpoint keeps, as the meter counts it (a model on
     the CPU; 0 elsewhere: it lives in host memory, which a device's meter does not count), where a block
     holds one of ``random_nodes`` (:func:`fxplan.effects.may_draw_random`; other blocks keep no state).
-    ``guarded``: per node, ``(key, bytes)`` of the buffers it updates in place, which the buffer guard of a
+    ``guarded``: per node that updates buffers in place, ``(key, bytes)`` of them, which the buffer guard of a
     checkpointed block holding it copies before the block's forward (:class:`fxplan.recompute.BufferGuard`).
     """
 
@@ -173,7 +173,9 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
                     params += value.parameters()
         param_grads[node.name] = tuple((id(p), charged_bytes(p.numel() * p.element_size(), p.device))
                                        for p in params if p.requires_grad)
-        guarded[node.name] = _guarded_buffers(gm, node)
+        buffers = _guarded_buffers(gm, node)
+        if buffers:
+            guarded[node.name] = buffers
         mutated = effects.mutated_arg(node, gm)
         source = effects.view_source(node, gm)
         if mutated is not None:
@@ -437,7 +439,7 @@ class _Replayer:
         outputs = set(self.sm.outputs) if tag == ("val",) else set()
         for i, b in enumerate(blocks):
             if i < len(blocks) - 1:
-                names = [v for leaf in subplans.leaves([b]) for v in leaf]
+                names = subplans.nodes_of(b)
                 if run is not None and names[0] not in run:
                     return
                 inside = set(names)
@@ -507,13 +509,15 @@ class _Replayer:
 
     def _guard_bytes(self, names: list[str]) -> int:
         """Bytes of the buffer guard's copies for a checkpointed block of ``names``."""
+        if not self.sm.guarded:  # a model without buffers it updates: no walk over the block in every replay
+            return 0
         return sum(dict(item for v in names for item in self.sm.guarded.get(v, ())).values())
 
     def _inner_guards(self, level: list[Block]) -> None:
         """The guards of the checkpointed blocks inside one whose forward runs (under checkpoint): each made as
         its block runs, kept by the forward's graph until that block's backward."""
         for i, c in enumerate(level):
-            names = [v for leaf in subplans.leaves([c]) for v in leaf]
+            names = subplans.nodes_of(c)
             guard = self._guard_bytes(names) if i < len(level) - 1 else 0
             if guard:
                 self.forward_guards[id(c)] = self.new(guard, ("fguard", id(c)))
@@ -584,7 +588,7 @@ class _Replayer:
         run, unrun = subplans.recomputation(b, self.facts.save)
         if not run:
             return
-        names = [v for leaf in subplans.leaves([b]) for v in leaf]
+        names = subplans.nodes_of(b)
         keeps = self._keeps_rng_state(names)
         if keeps:  # fork_rng's copy of the state while the block recomputes
             forked = self.new(self.sm.rng_state_bytes, ("fork", id(b)))

@@ -80,6 +80,11 @@ def leaves(blocks: list[Block]) -> list[list[str]]:
     return [b.names for b in leaf_blocks(blocks)]
 
 
+def nodes_of(b: Block) -> list[str]:
+    """Every node ``b`` runs, its leaves' in execution order."""
+    return [v for leaf in leaves([b]) for v in leaf]
+
+
 def as_children(blocks: list[Block]) -> dict[str, dict[str, Any]]:
     """``children`` in plain form (lists and dicts) for the blocks: what pickling stores."""
     return {str(i): {"segments": [s.names for s in b.sub], "children": as_children(b.sub)}
@@ -122,7 +127,7 @@ def recomputation(b: Block, facts: SaveFacts) -> tuple[list[str], str | None]:
     inputs). Autograd saves an op's inputs before the op runs and its outputs after, so a last saver that keeps
     only inputs (a convolution) does not run. A flat block that saves nothing is not recomputed at all.
     """
-    names = [v for leaf in leaves([b]) for v in leaf]
+    names = nodes_of(b)
     last = leaf_blocks([b])[-1]
     saving = [v for v in last.names if facts.saves[v]]
     if not saving:
@@ -140,7 +145,7 @@ def early_stop_cost(blocks: list[Block], facts: SaveFacts, T: Mapping[str, float
         if i < len(blocks) - 1:
             run, unrun = recomputation(b, facts)
             ran = set(run) - {unrun}
-            cost += sum(T[v] for leaf in leaves([b]) for v in leaf if v not in ran)
+            cost += sum(T[v] for v in nodes_of(b) if v not in ran)
         if b.sub is not None:
             cost += early_stop_cost(b.sub, facts, T)
     return cost

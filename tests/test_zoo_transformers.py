@@ -137,14 +137,19 @@ def test_compare_rows_for_a_transformer():
     assert fx.status == "ok" or (fx.status == "error" and "TraceError" in fx.note), fx.note
 
 
-def test_a_rewritten_transformer_survives_torch_save_and_load():
-    # An ATen graph from torch.export: loading must not re-trace its code (that renames nodes, so segments
-    # name nothing, and folds the attention mask into a constant) nor need export's tracer.
+def _tiny_llama():
+    """The tiny Llama (seed 0), its example inputs and the plain step's peak with its loss."""
     entry = hf.tiny_entry("llama_1b")
     torch.manual_seed(0)
     model = entry.build()
     inputs = entry.example_inputs()
-    vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
+    return entry, model, inputs, measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
+
+
+def test_a_rewritten_transformer_survives_torch_save_and_load():
+    # An ATen graph from torch.export: loading must not re-trace its code (that renames nodes, so segments
+    # name nothing, and folds the attention mask into a constant) nor need export's tracer.
+    entry, model, inputs, vanilla = _tiny_llama()
     # a nested plan over every unit (252,552 bytes of 331,848, recompute 0.775; the next cheapest that fits,
     # 0.889, has no units): at 0.8 of vanilla one segment over every unit or two over six were chosen, depending on
     # the machine's time costs (0.2% apart), and at 0.77 a nested plan without units
@@ -166,11 +171,7 @@ def test_a_budget_above_the_canonical_plans_smallest_peak_gets_no_more_recomputa
     # tiny Llama: the canonical plans that fit 0.77 of vanilla recompute 1.37 of a forward (five segments over every
     # unit); a nested plan of a lower peak recomputes 0.92 and fits too, and was the answer only below every
     # canonical plan, so that budget was given more recomputation than the smallest one (session 27)
-    entry = hf.tiny_entry("llama_1b")
-    torch.manual_seed(0)
-    model = entry.build()
-    inputs = entry.example_inputs()
-    vanilla = measure_step(model, inputs, fake=True, loss_fn=entry.loss).peak_bytes
+    entry, model, inputs, vanilla = _tiny_llama()
     smallest = fxplan.min_budget_bytes(model, inputs, loss_fn=entry.loss)
     plans = []
     for budget in (smallest, int(0.77 * vanilla), int(0.78 * vanilla)):
