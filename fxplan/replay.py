@@ -83,6 +83,7 @@ class GraphFacts:
     saved: dict[str, int]
     save: subplans.SaveFacts
     program: list[str]
+    position: dict[str, int] = field(default_factory=dict)  # node -> its index in ``program``
 
 
 def graph_facts(cg: CostGraph) -> GraphFacts:
@@ -101,7 +102,8 @@ def graph_facts(cg: CostGraph) -> GraphFacts:
         {v: nodes[v].get("kind") for v in program},
         {v: ([v] if nodes[v].get("saves_output", False) else []) + list(nodes[v].get("saved_inputs", preds[v]))
          for v in program},
-        {v: int(nodes[v].get("saved", 0) or 0) for v in program}, subplans.SaveFacts.of(nodes), program)
+        {v: int(nodes[v].get("saved", 0) or 0) for v in program}, subplans.SaveFacts.of(nodes), program,
+        {v: i for i, v in enumerate(program)})
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,8 @@ class StepModel:
     holds one of ``random_nodes`` (:func:`fxplan.effects.may_draw_random`; other blocks keep no state).
     ``guarded``: per node that updates buffers in place, ``(key, bytes)`` of them, which the buffer guard of a
     checkpointed block holding it copies before the block's forward (:class:`fxplan.recompute.BufferGuard`).
+    ``sharing``: per node an in-place op overwrites, the nodes whose values live in its storage (through views and
+    in-place ops).
     """
 
     resident: int
@@ -142,6 +146,7 @@ class StepModel:
     rng_state_bytes: int = 0
     random_nodes: frozenset[str] = frozenset()
     guarded: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    sharing: dict[str, list[str]] = field(default_factory=dict)
 
 
 def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -194,7 +199,19 @@ def step_model(cg: CostGraph, model: torch.nn.Module, example_inputs: Sequence[A
     random_nodes = frozenset(n.name for n in gm.graph.nodes if n.name in cg and effects.may_draw_random(n, gm))
     return StepModel(resident, grads_exist, param_grads, outputs, loss.output_grad, views, inplace, grad_inputs,
                      passes, frozenset(random_inplace), loss.held, loss.peak, graph_facts(cg), rng_state,
-                     random_nodes, guarded)
+                     random_nodes, guarded, _sharing(views, inplace, list(cg.nodes)))
+
+
+def _sharing(views: dict[str, str], inplace: dict[str, str], program: list[str]) -> dict[str, list[str]]:
+    """Node -> the nodes whose values share its storage (itself included), for the nodes in-place ops overwrite."""
+    root: dict[str, str] = {}
+    for v in program:
+        src = inplace.get(v) or views.get(v)
+        root[v] = root.get(src, src) if src is not None else v
+    members: dict[str, list[str]] = {}
+    for v in program:
+        members.setdefault(root[v], []).append(v)
+    return {a: members[root[a]] for a in inplace.values() if a in root}
 
 
 def _guarded_buffers(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple[int, int], ...]:
@@ -317,8 +334,11 @@ class _Replayer:
         self.ends: list[list[int]] = []
         self._walk(blocks, [])
         self.preds, self.succs = facts.preds, facts.succs
-        self.copies = _inplace_copies(sm, self.order, self.seg, self.succs, self.k)
-        self.copies -= _inplace_openers(sm, self.segments, self.seg, self.preds, self.succs, facts.program)
+        self.copies = _inplace_copies(sm, self.seg, self.succs, self.k)
+        self.copies -= _inplace_openers(sm, self.segments, self.seg, self.preds, self.succs, facts)
+        # node -> the node whose storage its value shares (a view, or an in-place op the rewriter gives no copy)
+        self.source = {v: src for v, src in sm.views.items() if v in self.pos}
+        self.source.update((v, src) for v, src in sm.inplace.items() if v in self.pos and v not in self.copies)
         self.bytes: dict[int, int] = {}
         self.holders: dict[int, set] = {}
         self.current = self.peak = sm.resident
@@ -345,17 +365,31 @@ class _Replayer:
         reader in the function that made it, and a call of a block holds its arguments until it returns,
         so a reader in another block counts as the end of the outermost block that holds it. A reader
         beyond ``run`` (a recomputation stopped early) holds the value to the end of the run."""
-        within, stop = set(run), self.pos[run[-1]] if run else 0
+        within, pos, seg, stop = set(run), self.pos, self.seg, self.pos[run[-1]] if run else 0
         frees: dict[int, list[str]] = {}
         for v in run:
-            ends = [min(self._end(v, w), stop) if w in within else stop for w in self.succs[v]]
-            frees.setdefault(max(ends, default=self.pos[v]), []).append(v)
+            readers = self.succs[v]
+            if not readers:
+                last = pos[v]
+            else:
+                last, sv = -1, seg[v]
+                for w in readers:
+                    if w not in within:
+                        end = stop
+                    else:
+                        sw = seg[w]
+                        end = pos[w] if sw == sv else self._end(sv, sw)
+                        end = end if end < stop else stop
+                    last = end if end > last else last
+            if last in frees:
+                frees[last].append(v)
+            else:
+                frees[last] = [v]
         return frees
 
-    def _end(self, v: str, w: str) -> int:
-        a, b = self.ends[self.seg[v]], self.ends[self.seg[w]]
-        if a is b:
-            return self.pos[w]
+    def _end(self, sv: int, sw: int) -> int:
+        """Where a reader in leaf ``sw`` of a value made in another leaf ``sv`` ends holding it."""
+        a, b = self.ends[sv], self.ends[sw]
         d = 0
         while d < len(a) - 1 and d < len(b) - 1 and a[d] == b[d]:
             d += 1  # blocks end at distinct positions: equal ends are the same ancestor
@@ -364,16 +398,18 @@ class _Replayer:
     # ---------------------------------------------------------------------------- storages
     def new(self, nbytes: int, holder) -> int:
         sid = self._next
-        self._next += 1
+        self._next = sid + 1
         self.bytes[sid] = nbytes
         self.holders[sid] = {holder}
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        self.current = current = self.current + nbytes
+        if current > self.peak:
+            self.peak = current
         return sid
 
     def hold(self, sid: int, holder) -> None:
-        if sid in self.holders:
-            self.holders[sid].add(holder)
+        held = self.holders.get(sid)
+        if held is not None:
+            held.add(holder)
 
     def release(self, sid: int, holder) -> None:
         held = self.holders.get(sid)
@@ -384,30 +420,17 @@ class _Replayer:
             del self.holders[sid]
             self.current -= self.bytes.pop(sid)
 
-    def release_node(self, v: str, holder) -> None:
-        if v in self.sid:
-            self.release(self.sid[v], holder)
-
     # ---------------------------------------------------------------------------- values
-    def produce(self, v: str, holder) -> None:
-        """Run node v: its value shares its operand's storage (view, in-place) or gets a new one, after the
-        temporaries its forward holds on the way (``forward_rise``)."""
-        self.peak = max(self.peak, self.current + self.facts.forward_rise[v])
-        src = self.sm.inplace.get(v) if v not in self.copies else None
-        src = src or self.sm.views.get(v)
-        if src is not None and self.sid.get(src) in self.holders:
-            self.sid[v] = self.sid[src]
-            self.hold(self.sid[v], holder)
-        else:
-            self.sid[v] = self.new(self.facts.M[v], holder)
-
     def save(self, w: str) -> None:
         """What autograd keeps for w's backward, held until w's backward has run."""
         held = self.saved.setdefault(w, [])
+        sids, holders, holder = self.sid, self.holders, ("saved", w)
         for u in self.facts.keeps[w]:
-            if u in self.sid and self.sid[u] in self.holders:
-                self.hold(self.sid[u], ("saved", w))
-                held.append(self.sid[u])
+            sid = sids.get(u)
+            holding = holders.get(sid) if sid is not None else None
+            if holding is not None:
+                holding.add(holder)
+                held.append(sid)
         extra = self.facts.saved[w]
         if extra:
             held.append(self.new(extra, ("saved", w)))
@@ -461,18 +484,44 @@ class _Replayer:
 
     def _run(self, names: list[str], frees: dict[int, list[str]], tag: tuple, run: set[str] | None,
              unrun: str | None, saving: bool, outputs: set[str]) -> None:
+        pos, sids, holders, sizes, cap = self.pos, self.sid, self.holders, self.bytes, self.cap
+        rises, M, source = self.facts.forward_rise, self.facts.M, self.source
         for v in names:
             if run is not None and v not in run:
                 return
             if v != unrun:
-                self.produce(v, (*tag, v))
+                # v runs: after the temporaries its forward holds on the way (``forward_rise``), its value
+                # shares its operand's storage (a view, an in-place op) or gets a new one
+                rise = self.current + rises[v]
+                if rise > self.peak:
+                    self.peak = rise
+                src = source.get(v)
+                shared = sids.get(src) if src is not None else None
+                held = holders.get(shared) if shared is not None else None
+                if held is not None:
+                    sids[v] = shared
+                    held.add((*tag, v))
+                else:  # self.new(M[v], (*tag, v)), inline
+                    sids[v] = sid = self._next
+                    self._next = sid + 1
+                    sizes[sid] = nbytes = M[v]
+                    holders[sid] = {(*tag, v)}
+                    self.current = current = self.current + nbytes
+                    if current > self.peak:
+                        self.peak = current
             if v in outputs:
-                self.hold(self.sid[v], "out")
+                self.hold(sids[v], "out")
             if saving:
                 self.save(v)
-            for u in frees.get(self.pos[v], ()):
-                self.release_node(u, (*tag, u))
-            if self.peak > self.cap:
+            for u in frees.get(pos[v], ()):
+                sid = sids.get(u)
+                held = holders.get(sid) if sid is not None else None
+                if held is not None:  # self.release(sid, (*tag, u)), inline: the replay's innermost loop
+                    held.discard((*tag, u))
+                    if not held:
+                        del holders[sid]
+                        self.current -= sizes.pop(sid)
+            if self.peak > cap:
                 raise _OverCap
 
     def backward(self) -> list[int]:
@@ -532,23 +581,26 @@ class _Replayer:
             self.release(sid, ("ckpt", id(b)))
 
     def backward_nodes(self, names: list[str]) -> None:
-        sm, grad, M, kind = self.sm, self.grad, self.facts.M, self.facts.kind
+        sm, grad, M, kind, preds, rises = self.sm, self.grad, self.facts.M, self.facts.kind, self.preds, \
+            self.facts.backward_rise
+        views, passing, grad_inputs, param_grads = sm.views, sm.passes, sm.grad_inputs, sm.param_grads
         for v in reversed(names):
             if v not in grad:  # nothing downstream needs a gradient through v
                 self.unsave(v)
                 continue
             sums, accumulated, replaced, before = 0, 0, [], self.current
             passes = PASS_THROUGH.get(kind[v])
-            for u in self.preds[v]:
-                if u not in sm.grad_inputs.get(v, ()):
+            given = grad_inputs.get(v, ())
+            for u in preds[v]:
+                if u not in given:
                     continue  # v's backward gives u no gradient (a shape, an index, a detached value)
                 size = M[u]
-                shared = (v in sm.views or v in sm.passes or passes == "slice"
+                shared = (v in views or v in passing or passes == "slice"
                           or (passes == "same" and size == M[v]))
                 if shared and u not in grad:
                     grad[u] = grad[v]
                     self.hold(grad[u], ("grad", u))
-                elif u in grad and v in sm.passes and kind[v] == "getitem":
+                elif u in grad and v in passing and kind[v] == "getitem":
                     # one output of a node that returns several (split, unbind): autograd keeps each
                     # output's gradient in its own slot of the node's backward, and sums nothing
                     self.hold(grad[v], ("grad", u))
@@ -561,22 +613,25 @@ class _Replayer:
                     grad[u] = self.new(size, ("grad", u))
                 else:
                     grad[u] = self.new(size, ("grad", u))
-            for key, nbytes in sm.param_grads.get(v, ()):
+            for key, nbytes in param_grads.get(v, ()):
                 if sm.grads_exist or key in self.seen_params:
                     accumulated += nbytes
                 else:
                     self.seen_params.add(key)
                     self.new(nbytes, ("param", key))
-            self.peak = max(self.peak, self.current + accumulated, before + self.facts.backward_rise[v])
+            self.peak = max(self.peak, self.current + accumulated, before + rises[v])
             # the engine lets go of the node's incoming gradient and saved tensors before it sums the
             # gradients the node returned into those already there
             self.release(grad.pop(v), ("grad", v))
-            for sid in self.slots.pop(v, ()):
-                self.release(sid, ("grad", v))
-            self.unsave(v)
-            self.peak = max(self.peak, self.current + sums)
-            for old, u in replaced:
-                self.release(old, ("grad", u))
+            if self.slots:
+                for sid in self.slots.pop(v, ()):
+                    self.release(sid, ("grad", v))
+            if v in self.saved:
+                self.unsave(v)
+            if replaced:
+                self.peak = max(self.peak, self.current + sums)
+                for old, u in replaced:
+                    self.release(old, ("grad", u))
             if self.peak > self.cap:
                 raise _OverCap
 
@@ -603,29 +658,16 @@ PASS_THROUGH = {"add": "same", "add_": "same", "iadd": "same", "cat": "slice", "
                 "concatenate": "slice", "clone": "same", "contiguous": "same"}
 
 
-def _roots(sm: StepModel, order: Sequence[str]) -> dict[str, str]:
-    """Node -> the node whose storage its value lives in (through views and in-place ops)."""
-    root: dict[str, str] = {}
-    for v in order:
-        src = sm.inplace.get(v) or sm.views.get(v)
-        root[v] = root.get(src, src) if src is not None else v
-    return root
-
-
-def _inplace_copies(sm: StepModel, order: Sequence[str], seg: dict[str, int], succs, k: int) -> set[str]:
+def _inplace_copies(sm: StepModel, seg: dict[str, int], succs, k: int) -> set[str]:
     """In-place nodes whose operand needs a private copy by :mod:`fxplan.codegen`'s rule (a value sharing
     the overwritten storage is read, as a segment input, by a recomputed segment that runs no later than
     the op), before :func:`_inplace_openers` takes out those the rewriter runs between segments instead."""
-    root = _roots(sm, order)
-    members: dict[str, list[str]] = {}
-    for v in order:
-        members.setdefault(root[v], []).append(v)
     copies = set()
     for v, operand in sm.inplace.items():
-        if v not in seg or operand not in root:
+        if v not in seg or operand not in seg:
             continue
         s = seg[v]
-        for m in members[root[operand]]:
+        for m in sm.sharing[operand]:
             if any(seg[r] <= s and seg[r] < k - 1 and seg[r] != seg[m] for r in succs[m]):
                 copies.add(v)
                 break
@@ -633,13 +675,14 @@ def _inplace_copies(sm: StepModel, order: Sequence[str], seg: dict[str, int], su
 
 
 def _inplace_openers(sm: StepModel, segments: Sequence[Sequence[str]], seg: dict[str, int], preds, succs,
-                     program: Sequence[str]) -> set[str]:
+                     facts: GraphFacts) -> set[str]:
     """In-place nodes the rewriter runs by themselves between two segments, on no copy: the conditions of
-    :meth:`fxplan.codegen._Rewrite.inplace_openers`, read off the step model (``program``: the nodes in
-    program order). tests/test_replay.py checks that the two agree on the cuts of a ResNet and of a model
-    with a read before an in-place op."""
+    :meth:`fxplan.codegen._Rewrite.inplace_openers`, read off the step model. tests/test_replay.py checks that
+    the two agree on the cuts of a ResNet and of a model with a read before an in-place op."""
+    if not sm.inplace:
+        return set()
     k = len(segments)
-    position = {v: i for i, v in enumerate(program)}
+    position = facts.position
     aliased: dict[str, int] = {}
     for a in [*sm.inplace.values(), *sm.views.values()]:
         aliased[a] = aliased.get(a, 0) + 1
