@@ -39,6 +39,19 @@ def load(rev: str) -> types.ModuleType:
     return mods["dp"]
 
 
+def module(rev: str, short: str) -> types.ModuleType:
+    """The module ``fxplan.<short>`` of git revision ``rev`` alone: the other fxplan modules it imports come from
+    the working tree."""
+    src = _source(rev, short)
+    if src is None:
+        raise SystemExit(f"{rev} has no fxplan/{short}.py")
+    name = f"fxplan_{rev}_{short}"
+    mod = types.ModuleType(name)
+    sys.modules[name] = mod  # dataclasses look their module up by name
+    exec(compile(src, f"{rev}:fxplan/{short}.py", "exec"), mod.__dict__)
+    return mod
+
+
 def _source(rev: str, short: str) -> str | None:
     res = subprocess.run(["git", "show", f"{rev}:fxplan/{short}.py"], cwd=ROOT, capture_output=True, text=True)
     return res.stdout if res.returncode == 0 else None
