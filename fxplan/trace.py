@@ -343,7 +343,7 @@ class _CostPropagator(torch.fx.Interpreter):
         with self.fake_mode:
             try:
                 rise = self._backward_rise(lambda args, kwargs: getattr(self, node.op)(node.target, args, kwargs),
-                                           call, self._parameters(node), {} if detached is None else detached)
+                                           call, self._parameters(node, call), {} if detached is None else detached)
             except Exception as exc:  # noqa: BLE001 (an in-place op on an input, an op fake tensors
                 # cannot run again: no estimate; the replay only ranks plans, measured in the end)
                 logger.debug("no backward estimate for %s: %s", node.name, exc)
@@ -352,11 +352,17 @@ class _CostPropagator(torch.fx.Interpreter):
             known[key] = rise
         return rise
 
-    def _parameters(self, node: torch.fx.Node) -> list[torch.Tensor]:
-        """The parameters of a module node that require gradients (leaves of its backward besides its inputs)."""
-        if node.op != "call_module":
-            return []
-        return [p for p in self.module.get_submodule(str(node.target)).parameters() if p.requires_grad]
+    def _parameters(self, node: torch.fx.Node, call: tuple) -> list[torch.Tensor]:
+        """The parameters that require gradients of a module node, or of the modules a function node is handed in
+        ``call`` (a unit's saver, a recomputed region): leaves of its backward besides its inputs, so that it makes
+        their gradients at once with the others, as in a step (a convolution's weight gradient beside its
+        kernel's scratch)."""
+        if node.op == "call_module":
+            modules = [self.module.get_submodule(str(node.target))]
+        else:
+            modules = [m for m in tree_leaves(call) if isinstance(m, torch.nn.Module)]
+        found = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
+        return list(found.values())
 
     @staticmethod
     def _key_of(kind: str, op: Any, call: tuple) -> tuple | None:
