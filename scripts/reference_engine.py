@@ -31,11 +31,7 @@ def load(rev: str) -> types.ModuleType:
         src = _source(rev, short)
         for dep in present:
             src = src.replace(f"from fxplan.{dep} ", f"from fxplan_{rev}_{dep} ")
-        name = f"fxplan_{rev}_{short}"
-        mod = types.ModuleType(name)
-        sys.modules[name] = mod
-        exec(compile(src, f"{rev}:fxplan/{short}.py", "exec"), mod.__dict__)
-        mods[short] = mod
+        mods[short] = _made(rev, short, src)
     return mods["dp"]
 
 
@@ -45,9 +41,14 @@ def module(rev: str, short: str) -> types.ModuleType:
     src = _source(rev, short)
     if src is None:
         raise SystemExit(f"{rev} has no fxplan/{short}.py")
+    return _made(rev, short, src)
+
+
+def _made(rev: str, short: str, src: str) -> types.ModuleType:
+    """A module named ``fxplan_<rev>_<short>`` run from ``src``, registered (dataclasses look their module up)."""
     name = f"fxplan_{rev}_{short}"
     mod = types.ModuleType(name)
-    sys.modules[name] = mod  # dataclasses look their module up by name
+    sys.modules[name] = mod
     exec(compile(src, f"{rev}:fxplan/{short}.py", "exec"), mod.__dict__)
     return mod
 
