@@ -484,7 +484,7 @@ class _Replayer:
 
     def _run(self, names: list[str], frees: dict[int, list[str]], tag: tuple, run: set[str] | None,
              unrun: str | None, saving: bool, outputs: set[str]) -> None:
-        pos, sids, holders, sizes, cap = self.pos, self.sid, self.holders, self.bytes, self.cap
+        pos, sids, holders, cap = self.pos, self.sid, self.holders, self.cap
         rises, M, source = self.facts.forward_rise, self.facts.M, self.source
         for v in names:
             if run is not None and v not in run:
@@ -501,26 +501,16 @@ class _Replayer:
                 if held is not None:
                     sids[v] = shared
                     held.add((*tag, v))
-                else:  # self.new(M[v], (*tag, v)), inline
-                    sids[v] = sid = self._next
-                    self._next = sid + 1
-                    sizes[sid] = nbytes = M[v]
-                    holders[sid] = {(*tag, v)}
-                    self.current = current = self.current + nbytes
-                    if current > self.peak:
-                        self.peak = current
+                else:
+                    sids[v] = self.new(M[v], (*tag, v))
             if v in outputs:
                 self.hold(sids[v], "out")
             if saving:
                 self.save(v)
             for u in frees.get(pos[v], ()):
                 sid = sids.get(u)
-                held = holders.get(sid) if sid is not None else None
-                if held is not None:  # self.release(sid, (*tag, u)), inline: the replay's innermost loop
-                    held.discard((*tag, u))
-                    if not held:
-                        del holders[sid]
-                        self.current -= sizes.pop(sid)
+                if sid is not None:
+                    self.release(sid, (*tag, u))
             if self.peak > cap:
                 raise _OverCap
 
