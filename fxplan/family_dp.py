@@ -156,7 +156,7 @@ def _price(ctx: Context, fam: Family, pi: np.ndarray, pj: np.ndarray) -> tuple[n
     """(F, G, H) of the moves (pi, pj), each priced by the memory model at most once per context.
 
     A move's costs depend on its two sets only, so the moves priced for one budget serve every later
-    solve on the graph (``fxplan.rewrite`` solves up to ``search.FRONTIER`` budgets): only the moves not
+    solve on the graph (``fxplan.rewrite`` solves up to ``frontier.FRONTIER`` budgets): only the moves not
     priced before are handed to ``pair_costs`` (in chunks of ``PRICE_CHUNK``, which bounds its temporary
     arrays). Held as sorted keys ``j * S + i``; dropped when more than ``PRICED_LIMIT`` are held.
     """

@@ -4,16 +4,17 @@ A user's budget is a measured peak (:func:`fxplan.measure_step`); the solvers pl
 The search reconciles the two in a way that cannot depend on the budget asked for:
 
 1. **Candidates.** A fixed set of plans per model, inputs and solver, whatever the budget, generated
-   lazily in order of non-decreasing recomputation (:func:`_candidate_plans`): for the DP solvers, the
-   time-centric frontier walked down from the plan without recomputation in steps of ``STEP`` of the
-   predicted peak, then the plan at the solver's smallest predicted peak and the memory-centric plan
-   (Kusumoto et al., sections 4.2-4.4); the DP plans with the sweep memory model
-   (:mod:`fxplan.sweep_model`), which ranks plans as measured far better than the autograd model
-   (except the exact DP on lattices too large for its family engine, :func:`_too_large_for_family`). For
-   Chen's solver, the plans of Algorithm 3 over its grid of B (:func:`fxplan.chen.greedy_plans`) and
-   the √n plan. A DP solver's candidates also include the other planners' plans at their smallest
-   peaks (:func:`_floor_plans`: Chen's plans, the other DP's), so its smallest peak is at most any of
-   theirs; ``solver="chen"`` is the paper's baseline and keeps to Chen's plans.
+   lazily (:class:`fxplan.frontier.Frontier`) in order of non-decreasing recomputation: for the DP solvers,
+   the time-centric frontier (Kusumoto et al., sections 4.2-4.4): the plan without recomputation, the plans
+   for a fixed grid of budgets below its predicted peak, then the plan at the solver's smallest predicted peak
+   and the memory-centric plan, planned with the sweep memory model (:mod:`fxplan.sweep_model`), which ranks
+   plans as measured far better than the autograd model (except the exact DP on lattices too large for its
+   family engine). A budget search takes them from the top; the search for the smallest peak from the bottom,
+   as far as they may come near the smallest (:meth:`Search._bottom`, ``REACH``). For Chen's solver, the
+   plans of Algorithm 3 over its grid of B (:func:`fxplan.chen.greedy_plans`) and the √n plan. A DP solver's
+   candidates also include the other planners' plans at their smallest peaks (:func:`_floor_plans`: Chen's
+   plans, the other DP's), so its smallest peak is at most any of theirs; ``solver="chen"`` is the paper's
+   baseline and keeps to Chen's plans.
 2. **Prediction.** Each candidate's peak is predicted by replaying its step
    (:func:`fxplan.replay.replay`, exact or nearly on the plans measured: docs/rewrite.md) and its recomputation is
    known exactly (``recompute_fraction``).
@@ -67,11 +68,11 @@ from typing import Any
 
 import torch
 
-from fxplan import chen, dp, subplans
+from fxplan import dp, subplans
 from fxplan.codegen import SegmentedModule
 from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.lowersets import enumerate_lower_sets
+from fxplan.frontier import SWEEP, Frontier, chen_plans, exact_family_size
 from fxplan.measure import GiB
 from fxplan.meter import PlanMeter
 from fxplan.nested import NestedResult, NestedSearch
@@ -79,36 +80,12 @@ from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph, r
 from fxplan.plans import Plan
 from fxplan.replay import AboveCap, Replay, StepModel, replay, replay_blocks, step_model
 from fxplan.subplans import Block
-from fxplan.sweep_model import SweepModel
 
 logger = logging.getLogger("fxplan")
-
-#: Most plans taken from the DP's frontier.
-FRONTIER = 200
 
 #: Assumed bound on how much the replay over-predicts one plan's measured peak beyond what it does on
 #: the plans measured so far (it over-predicted by at most 0.5% on the zoo: docs/rewrite.md).
 MARGIN = 0.01
-
-#: Relative step of the walk down the DP's frontier: plans whose predicted peaks are closer than this
-#: are not all visited (with the approximate DP on ResNet-50 and DenseNet-161 this cost 0.2-0.4% of
-#: recomputation on average over budgets, and saved 2-3x the time of visiting every plan).
-STEP = 0.01
-
-#: On large graphs the walk is coarser: at most max(FRONTIER_MIN, FRONTIER_WORK / nodes) plans from the
-#: plan without recomputation down to the smallest predicted peak (a geometric step between the two, if
-#: larger than STEP). A solve's cost grows with the graph (at 3,000 nodes 1-3 s in the middle of the
-#: frontier, against 0.01-0.1 s at 1,000); graphs of up to FRONTIER_WORK / FRONTIER = 500 nodes (the zoo
-#: but DenseNet-161, 571 nodes: 175 plans) walk as before. docs/planner.md, "fxplan.rewrite end to end".
-FRONTIER_WORK, FRONTIER_MIN = 100_000, 24
-
-#: The walk's solves plan over at most this many lower sets (those whose boundary holds the fewest bytes,
-#: :func:`fxplan.family_dp._family_run`): at a middle budget a solve's moves grow as the square of the
-#: sets (10,000 sets: 50 million, over the DP's cap). The smallest-peak and memory-centric plans use all.
-FRONTIER_SETS = 1000
-
-#: The same for the exact DP on lattices too large for its family engine, where a solve takes seconds.
-LARGE_STEP, LARGE_FRONTIER = 0.05, 12
 
 #: The nested search starts from at most this many plans per solver (:meth:`Search._seeds`), all of a solver's
 #: within ``fxplan.nested.SEEDS_MEASUREMENTS`` times one search's measurements; a start that lowers nothing
@@ -124,6 +101,14 @@ NESTED_MISSES = 4
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
 NEGLIGIBLE = 0.001
 
+#: The search for the smallest peak looks at the frontier's plans from its bottom up to the first that predicts
+#: a peak above this many times the least replayed peak (:meth:`Search._bottom`; times the most the sweep model
+#: over-predicted one of them, where it did). The sweep model predicted the replayed peak of every candidate of
+#: ResNet-50, GPT-2, BERT, U-Net, a timm MobileNet and the synthetic 1,000-node network within 0.27x to 1.18x,
+#: and of a 7B Llama (hf:llama, meta device) within 1.285x; on a graph of 1,000 nodes, the bottom holds 10-20 of
+#: the frontier's ~100 solves (docs/planner.md, "The smallest peak from the frontier's bottom").
+REACH = 1.5
+
 #: Once every candidate measured so far replayed within this fraction of its measured peak, the search
 #: ranks by replay instead of measuring (each measurement is a fake step of a rewritten module): the
 #: smallest candidate is the least replayed one, a budget rules out candidates replayed this much above
@@ -132,10 +117,6 @@ NEGLIGIBLE = 0.001
 #: sends the nested search back to measuring every move. On the zoo and the transformers the replay is
 #: within 0.01% of flat plans and 0.4% of nested ones (docs/planner.md).
 TRUST = 0.001
-
-#: The memory model the DP solvers plan candidates with (all instances are equal: one planning context).
-SWEEP = SweepModel()
-
 
 #: A replay for :meth:`Candidate.replayed_up_to` runs this far beyond its limit (its answers do not change): a search
 #: asks one plan for limits a few percent apart (:func:`in_replay_order`'s window, then :meth:`Search._may_fit`'s bar
@@ -207,9 +188,9 @@ class Search:
         self.step: StepModel = step_model(cg, model, example_inputs, loss_fn)
         self.ratio = 1.0  # the least measured / replayed peak seen so far, at most 1
         self.model = model
-        self.candidates: list[Candidate] = []  # the solver's own, in the order of _candidate_plans
-        self._plans = _candidate_plans(cg, model, solver)
-        self._exhausted = False
+        self.frontier = Frontier(cg, model, solver)
+        self._at: dict[int, Candidate | None] = {}  # the solver's own, by frontier position (None: no new plan)
+        self._bottom_candidates: list[Candidate] | None = None  # :meth:`_bottom`, once made
         self._floor: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`floor`
         self._lowest: Candidate | None = None
         self.meter = PlanMeter(cg, example_inputs, loss_fn)
@@ -218,13 +199,21 @@ class Search:
         self._nested_candidates: dict[tuple, Candidate] = {}  # by plan: :meth:`_nested_candidate`
         self._misses = 0  # nested plans chosen by replay that measured above what they had to fit: _confirmed
 
-    def _candidate(self, p: Plan) -> Candidate | None:
-        """A new candidate for ``p`` (replayed when its peak is first asked for); None if an existing
-        candidate has the same plan."""
-        for c in self.candidates + (self._floor or []):
-            if c.plan.segments == p.segments and c.plan.children == p.children:
-                return None
-        return Candidate(p, self._replay)
+    def _candidate(self, p: Plan, walk: bool) -> Candidate | None:
+        """A new candidate for ``p`` (replayed when its peak is first asked for); None if a candidate has the same
+        plan. A plan of the frontier (``walk``) that one of :meth:`floor`'s has is the frontier's, whichever was
+        made first (the search for the smallest peak makes the floor first): the floor's candidate, with what it
+        replayed and measured, moves to the frontier with the frontier's plan."""
+        same = [c for c in self.candidates + (self._floor or [])
+                if c.plan.segments == p.segments and c.plan.children == p.children]
+        if not same:
+            return Candidate(p, self._replay)
+        c = same[0]
+        if not walk or c not in (self._floor or []):
+            return None
+        self._floor = [f for f in self._floor if f is not c]  # a new list: iterations of the old one go on
+        c.plan = p
+        return c
 
     def _replay(self, p: Plan, cap: int | None = None) -> Replay | AboveCap:
         return replay(self.cg, self.step, p.segments, cap=cap)
@@ -232,28 +221,62 @@ class Search:
     def _replay_tree(self, blocks: list[Block]) -> int:
         return replay_blocks(self.cg, self.step, blocks).peak_bytes
 
+    @property
+    def candidates(self) -> list[Candidate]:
+        """The solver's own candidates made so far, in the frontier's order (:class:`fxplan.frontier.Frontier`)."""
+        return [c for _, c in sorted(self._at.items()) if c is not None]
+
+    def _candidate_at(self, k: int) -> Candidate | None:
+        """The candidate at the frontier's position ``k``, made once; None where it adds no plan."""
+        if k not in self._at:
+            p = self.frontier.at(k)
+            self._at[k] = None if p is None else self._candidate(p, walk=True)
+        return self._at[k]
+
     def _walk(self) -> Iterator[Candidate]:
-        """Every candidate in the order of :func:`_candidate_plans`, generating plans as they are asked for."""
-        i = 0
-        while True:
-            if i < len(self.candidates):
-                yield self.candidates[i]
-                i += 1
-                continue
-            p = None if self._exhausted else next(self._plans, None)
-            if p is None:
-                self._exhausted = True
-                return
-            c = self._candidate(p)
+        """Every candidate in the frontier's order (non-decreasing recomputation), generating plans as they are
+        asked for: the first before the frontier's size is known (which solves for the smallest budget)."""
+        k = 0
+        while k == 0 or k < self.frontier.size:
+            c = self._candidate_at(k)
             if c is not None:
-                self.candidates.append(c)
+                yield c
+            k += 1
+
+    def _bottom(self) -> list[Candidate]:
+        """The candidates that may have the smallest peak, in the frontier's order: generated from the frontier's
+        bottom up (the memory-centric plan, the plan at the smallest predicted peak, then the grid's) until a plan
+        predicts a peak above ``REACH`` times the least replayed peak of these and :meth:`floor`'s (``REACH``
+        times the most any of them replayed below its prediction, where more than 1): the plans above it predict
+        higher peaks still (the time-centric DP's plan for a larger budget recomputes less, and one that fitted
+        the smaller budget would have been chosen for it). Chen's plans: all (they are made together)."""
+        if self._bottom_candidates is None:
+            if self.solver == "chen":
+                self._bottom_candidates = list(self._walk())
+                return self._bottom_candidates
+            least, over, found = math.inf, 1.0, []
+            for c in self.floor():
+                least = min(least, c.replayed if least == math.inf else c.replayed_up_to(least))
+            for k in reversed(range(self.frontier.size)):
+                c = self._candidate_at(k)
+                if c is None:
+                    continue
+                if self.frontier.grid_budget(k) is not None or k == 0:
+                    if c.plan.predicted_peak_bytes > REACH * over * least:
+                        break
+                found.append(c)
+                least = min(least, c.replayed if least == math.inf else c.replayed_up_to(least))
+                if c.peaks is not None:
+                    over = max(over, c.plan.predicted_peak_bytes / c.replayed)
+            self._bottom_candidates = found[::-1]
+        return self._bottom_candidates
 
     def floor(self) -> list[Candidate]:
         """The other solvers' candidates at their smallest peaks (:func:`_floor_plans`), by recomputation."""
         if self._floor is None:
             self._floor = []
             for p in _floor_plans(self.cg, self.model, self.solver):
-                c = self._candidate(p)
+                c = self._candidate(p, walk=False)
                 if c is not None:
                     self._floor.append(c)
             self._floor.sort(key=lambda c: c.recompute)
@@ -281,7 +304,7 @@ class Search:
     # ------------------------------------------------------------------------------------ choosing
     def smallest(self) -> Candidate:
         """The candidate of least measured peak (ties: least recomputation)."""
-        best = self._smallest_of([*self._walk(), *self.floor()])
+        best = self._smallest_of([*self._bottom(), *self.floor()])
         if best is None:
             raise FxplanError("the rewriter rejected every candidate plan; see the debug log of 'fxplan'")
         return best
@@ -330,7 +353,7 @@ class Search:
         finds."""
         if self._lowest is not None:
             return self._lowest.measured <= bar
-        start = next(in_replay_order([*self._walk(), *self.floor()], lambda c: False))
+        start = next(in_replay_order([*self._bottom(), *self.floor()], lambda c: False))
         return self._replayed_lowest(start).peak * (1 - TRUST) <= bar
 
     def _replayed_lowest(self, start: Candidate) -> Candidate:
@@ -454,7 +477,7 @@ class Search:
         GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB (docs/rewrite.md); at batch 8 four of Chen's plans
         measure the same peak and lead to different ends."""
         by_solver: dict[str, list[Candidate]] = {}
-        for c in [*self._walk(), *self.floor()]:
+        for c in [*self._bottom(), *self.floor()]:
             by_solver.setdefault(c.plan.solver, []).append(c)
         groups = []
         for solver, group in sorted(by_solver.items(), key=lambda item: item[0] != best.plan.solver):
@@ -476,19 +499,22 @@ class Search:
             groups.append([low, *others][:SEEDS_PER_SOLVER])
         return groups
 
-    def least_recompute(self, budget: int) -> Candidate | None:
-        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak).
+    def least_recompute(self, budget: int, near_smallest: bool = False) -> Candidate | None:
+        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak);
+        ``near_smallest``: a budget within ``NEGLIGIBLE`` of the smallest peak, which only the frontier's bottom
+        (:meth:`_bottom`) may fit.
 
         Where nothing is measured yet, the first measurement is of the candidate of least recomputation that
         the replay says fits: where the replay is right, it is trusted from then on (:meth:`could_fit`) and
         that candidate is the answer, in one fake step."""
+        walk = self._bottom if near_smallest else self._walk
         if self.trust_replay and not self.measured_candidates():
-            first = next((c for plans in (self._walk, self.floor) for c in plans()
+            first = next((c for plans in (walk, self.floor) for c in plans()
                           if c.replayed_up_to(budget) <= budget), None)
             if first is not None:
                 self.measure(first)
         found: Candidate | None = None
-        for c in self._walk():  # recomputation never decreases along the walk
+        for c in walk():  # recomputation never decreases along the walk
             if found is not None and c.recompute > found.recompute:
                 break
             found = self._better(c, found, budget)
@@ -543,7 +569,8 @@ class Search:
                     raise self.infeasible(budget_bytes, best.measured)
                 return self._confirmed(nested, budget_bytes, budget_bytes, strategy)
             limit = best.measured if strategy == "memory" else math.floor(best.measured * (1 + NEGLIGIBLE))
-            fits = [best, self._nested_fit(limit)] + ([] if strategy == "memory" else [self.least_recompute(limit)])
+            fits = [best, self._nested_fit(limit)] + ([] if strategy == "memory" else
+                                                      [self.least_recompute(limit, near_smallest=True)])
             found = min((c for c in fits if c is not None), key=lambda c: (c.recompute, c.peak))
             return self._confirmed(found, limit, budget_bytes, strategy)
         found = self.least_recompute(budget_bytes)
@@ -622,54 +649,6 @@ def replayed_within_trust(measured: list[Candidate]) -> bool:
     return bool(measured) and all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
 
 
-def _candidate_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> Iterator[Plan]:
-    """The candidate plans of ``solver`` (module docstring), whole-step predictions, in order of
-    non-decreasing recomputation, generated lazily.
-
-    DP solvers: the time-centric frontier walked down from the plan without recomputation (each next
-    plan is the solver's plan for a budget ``STEP`` below the previous plan's predicted peak, up to
-    ``FRONTIER`` plans), then the plan at the smallest predicted peak and the memory-centric plan. On
-    graphs of more than ``FRONTIER_WORK / FRONTIER`` nodes the step is coarser (at most
-    ``max(FRONTIER_MIN, FRONTIER_WORK / nodes)`` plans down to the smallest predicted peak), and the
-    walk's solves plan over at most ``FRONTIER_SETS`` lower sets; the walk ends where those sets reach no
-    lower. All of this depends on the graph only, so the candidates stay the same whatever the budget.
-    """
-    if solver == "chen":
-        yield from sorted(_chen_plans(cg, model), key=lambda p: p.recompute_fraction)
-        return
-    large = solver == "exact" and _too_large_for_family(cg)
-    # the sweep model ranks plans as measured far better than the autograd model (docs/rewrite.md), but
-    # the exact DP's search engine (large lattices) evaluates moves incrementally, which only the
-    # autograd model (None: the default) supports; each of its solves is slow, so it walks coarser
-    memo = None if large else SWEEP  # planning contexts (fxplan.dp.context) cache its priced moves
-    step, most = (LARGE_STEP, LARGE_FRONTIER) if large else (STEP, FRONTIER)
-    resident = resident_bytes(cg, model)  # once: it walks every parameter
-    walk = max(FRONTIER_MIN, min(most, FRONTIER_WORK // max(1, cg.number_of_nodes())))
-    p = plan_graph(cg, model, 2**62, strategy="time", solver=solver, memory_model=memo, max_sets=FRONTIER_SETS,
-                   resident=resident)
-    yield p  # before the smallest budget is solved for: a budget search often needs no other plan of a graph
-    lo = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memo, resident=resident)
-    if walk < most and p.predicted_peak_bytes > lo:
-        step = max(step, 1 - (lo / p.predicted_peak_bytes) ** (1 / walk))
-    for _ in range(most - 1):
-        target = p.predicted_peak_bytes - max(1, int(step * p.predicted_peak_bytes))
-        if target < lo:
-            break
-        try:
-            p = plan_graph(cg, model, target, strategy="time", solver=solver, memory_model=memo,
-                           max_sets=FRONTIER_SETS, resident=resident)
-        except BudgetError:  # below the least peak over the FRONTIER_SETS sets: the plans below follow
-            break
-        yield p
-    yield plan_graph(cg, model, lo, strategy="time", solver=solver, memory_model=memo, resident=resident)
-    yield plan_graph(cg, model, None, strategy="memory", solver=solver, memory_model=memo, resident=resident)
-
-
-def _chen_plans(cg: CostGraph, model: torch.nn.Module) -> list[Plan]:
-    """Chen et al.'s plans: Algorithm 3 over its grid of B, and the √n plan."""
-    return chen.greedy_plans(cg) + [plan_graph(cg, model, None, strategy="time", solver="chen")]
-
-
 def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Plan]:
     """For a DP solver, the other planners' plans at their smallest peaks: Chen's plans, and the other
     DP's time-centric plan at its smallest budget and memory-centric plan (where its family of lower
@@ -680,8 +659,8 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
     """
     if solver == "chen":
         return []
-    lower_sets, pruned = _exact_family_size(cg), dp.context(cg, SWEEP).family(False).S
-    plans = _chen_plans(cg, model)
+    lower_sets, pruned = exact_family_size(cg), dp.context(cg, SWEEP).family(False).S
+    plans = chen_plans(cg, model)
     other = "exact" if solver == "approx" else "approx"
     if lower_sets != pruned and (other == "approx" or lower_sets is not None):
         try:
@@ -693,16 +672,3 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
         except FxplanError as exc:  # the exact DP's caps (moves, time): its plans are extras, not the answer
             logger.info("fxplan: no %s DP floor plans: %s", other, exc)
     return plans
-
-
-def _exact_family_size(cg: CostGraph) -> int | None:
-    """The number of lower sets of ``cg``; None if more than the exact DP's family engine takes."""
-    try:
-        return len(enumerate_lower_sets(dp.context(cg, SWEEP).ix, limit=dp.FAMILY_LIMIT))
-    except FxplanError:
-        return None
-
-
-def _too_large_for_family(cg: CostGraph) -> bool:
-    """True if the exact DP would use its search engine (more lower sets than its family engine takes)."""
-    return _exact_family_size(cg) is None
