@@ -138,6 +138,7 @@ class Candidate:
     peaks: tuple[int, list[int]] | None = None  # (whole step, per segment), from ``replay_step``
     code: str | None = None  # the generated code measured (the module over the model must run it)
     floor: int = 0  # a lower bound of the replayed peak, from a replay stopped at a cap (:meth:`replayed_up_to`)
+    solvers: set[str] = field(default_factory=set)  # the solvers with this plan among theirs (Search._seeds)
 
     def _peaks(self) -> tuple[int, list[int]]:
         if self.peaks is None:
@@ -207,8 +208,9 @@ class Search:
         same = [c for c in self.candidates + (self._floor or [])
                 if c.plan.segments == p.segments and c.plan.children == p.children]
         if not same:
-            return Candidate(p, self._replay)
+            return Candidate(p, self._replay, solvers={p.solver})
         c = same[0]
+        c.solvers.add(p.solver)
         if not walk or c not in (self._floor or []):
             return None
         self._floor = [f for f in self._floor if f is not c]  # a new list: iterations of the old one go on
@@ -367,12 +369,15 @@ class Search:
         """The lowest of ``lowest`` (:meth:`smallest`) and the nested plans found from :meth:`_seeds` (ranked by
         replay if ``trusted``, then not measured), keeping the nested search for :meth:`_nested_fit`."""
         self._nested = nested = NestedSearch(self.cg, self.meter, replayed=self._replay_tree, trusted=trusted)
-        found_at = None
+        found_at, started = None, set()
         for group in self._seeds(trusted, lowest) if nested.max_measurements > 0 else []:
             nested.start_group()  # a budget per solver: see _seeds
             for seed in group:
                 if nested.total_left <= 0:
                     break
+                if id(seed) in started:  # a plan of two solvers: searched from once
+                    continue
+                started.add(id(seed))
                 found = nested.improve(seed.plan, seed.replayed if trusted else seed.peak, seed.segment_replayed)
                 # found.measured is replayed where the search trusts the replay: compared with a replay
                 if found is not None and found.measured < (lowest.replayed if trusted else lowest.measured):
@@ -476,9 +481,10 @@ class Search:
         starts: on ResNet-50 at batch 96 it lowers nothing from the approximate DP's smallest plan (2.39
         GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB (docs/rewrite.md); at batch 8 four of Chen's plans
         measure the same peak and lead to different ends."""
-        by_solver: dict[str, list[Candidate]] = {}
+        by_solver: dict[str, list[Candidate]] = {}  # a plan several solvers have is in each one's list
         for c in [*self._bottom(), *self.floor()]:
-            by_solver.setdefault(c.plan.solver, []).append(c)
+            for solver in sorted(c.solvers):
+                by_solver.setdefault(solver, []).append(c)
         groups = []
         for solver, group in sorted(by_solver.items(), key=lambda item: item[0] != best.plan.solver):
             if solver == best.plan.solver:
