@@ -105,8 +105,8 @@ NEGLIGIBLE = 0.001
 #: a peak above this many times the least replayed peak (:meth:`Search._bottom`; times the most the sweep model
 #: over-predicted one of them, where it did). The sweep model predicted the replayed peak of every candidate of
 #: ResNet-50, GPT-2, BERT, U-Net, a timm MobileNet and the synthetic 1,000-node network within 0.27x to 1.18x,
-#: and of a 7B Llama (hf:llama, meta device) within 1.285x; on a graph of 1,000 nodes, the bottom holds 10-20 of
-#: the frontier's ~100 solves (docs/planner.md, "The smallest peak from the frontier's bottom").
+#: and of a 7B Llama (hf:llama, meta device) within 1.285x. A no-budget rewrite of GPT-2 with 23 layers (956 nodes)
+#: solved 62 plans instead of 123 (docs/planner.md, "The smallest peak from the frontier's bottom").
 REACH = 1.5
 
 #: Once every candidate measured so far replayed within this fraction of its measured peak, the search
@@ -151,6 +151,8 @@ class Candidate:
         rounding at least, so that a test ``replayed <= f(limit)`` gives the same answer on either. A search
         comparing a plan with a bar replays it only until its peak passes the bar (:func:`fxplan.replay.replay`'s
         ``cap``): most candidates of a search lose early."""
+        if limit == math.inf:
+            return self.replayed
         cap = int(limit * (1 + 1e-9)) + 1
         if self.peaks is None and self.floor <= cap:
             r = self.replay_step(self.plan, int(cap * (1 + CAP_SLACK)))
@@ -258,7 +260,7 @@ class Search:
                 return self._bottom_candidates
             least, over, found = math.inf, 1.0, []
             for c in self.floor():
-                least = min(least, c.replayed if least == math.inf else c.replayed_up_to(least))
+                least = min(least, c.replayed_up_to(least))
             for k in reversed(range(self.frontier.size)):
                 c = self._candidate_at(k)
                 if c is None:
@@ -267,7 +269,7 @@ class Search:
                     if c.plan.predicted_peak_bytes > REACH * over * least:
                         break
                 found.append(c)
-                least = min(least, c.replayed if least == math.inf else c.replayed_up_to(least))
+                least = min(least, c.replayed_up_to(least))
                 if c.peaks is not None:
                     over = max(over, c.plan.predicted_peak_bytes / c.replayed)
             self._bottom_candidates = found[::-1]
