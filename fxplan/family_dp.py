@@ -432,7 +432,7 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
     (where a plan's cache is cheapest; ties: the earlier set). A plan of a
     sub-family is a plan of the family, so the result is feasible; it is optimal over the sub-family
     only. Moves grow as the square of the sets at a middle budget: this is what bounds a solve on graphs
-    of 10,000 nodes (``fxplan.search``'s frontier walk).
+    of 10,000 nodes (the frontier's grid, ``fxplan.frontier``).
     """
     if objective == "peak":
         return _min_peak_chain(ctx, fam)

@@ -150,9 +150,9 @@ class Frontier:
             self._lo = lo = min_budget_bytes_graph(self.cg, self.model, solver=self.solver,
                                                    memory_model=None if self.large else SWEEP, resident=self.resident)
             step, most = (LARGE_STEP, LARGE_FRONTIER) if self.large else (STEP, FRONTIER)
-            walk = max(FRONTIER_MIN, min(most, FRONTIER_WORK // max(1, self.cg.number_of_nodes())))
-            if walk < most and top > lo:
-                step = max(step, 1 - (lo / top) ** (1 / walk))
+            points = max(FRONTIER_MIN, min(most, FRONTIER_WORK // max(1, self.cg.number_of_nodes())))
+            if points < most and top > lo:
+                step = max(step, 1 - (lo / top) ** (1 / points))
             targets = []
             for k in range(1, most):
                 target = math.floor(top * (1 - step) ** k)
