@@ -213,7 +213,7 @@ class Search:
             return Candidate(p, self._replay, solvers={p.solver})
         c = same[0]
         c.solvers.add(p.solver)
-        if not walk or c not in (self._floor or []):
+        if not walk or not any(f is c for f in self._floor or []):
             return None
         self._floor = [f for f in self._floor if f is not c]  # a new list: iterations of the old one go on
         c.plan = p
@@ -631,7 +631,7 @@ def in_replay_order(candidates: list[Candidate], done: Callable[[Candidate], boo
     least: float = math.inf
     heap: list[tuple[int, float, int, bool, Candidate]] = []
     for n, c in sorted(enumerate(candidates), key=lambda nc: nc[1].plan.predicted_peak_bytes or 0):
-        value = c.replayed_up_to(least * (1 + _REPLAY_WINDOW)) if least < math.inf else c.replayed
+        value = c.replayed_up_to(least * (1 + _REPLAY_WINDOW))
         exact = c.peaks is not None
         if exact:
             least = min(least, value)

@@ -46,16 +46,18 @@ from fxplan.trace import trace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_scale import residual_net  # noqa: E402
 
-try:  # the frontier's plans (since session 30; in fxplan.search before)
-    from fxplan import frontier
-except ImportError:
-    frontier = search
 STAGES = {"trace": [(rewriting, "trace")], "capture": [(tracing, "capture"), (tracing, "export_after")],
-          "probe": [(search, "step_model")], "solve": [(search, "plan_graph")] + [(frontier, "plan_graph")] * (
-              frontier is not search), "min": [(search, "min_budget_bytes_graph")] + [
-              (frontier, "min_budget_bytes_graph")] * (frontier is not search), "replay": [(search, "replay")],
+          "probe": [(search, "step_model")], "solve": [(search, "plan_graph")],
+          "min": [(search, "min_budget_bytes_graph")], "replay": [(search, "replay")],
           "codegen": [(meter, "segment_module")], "measure": [(meter, "measure_fake")],
           "region trace": [(variants, "trace")], "splice": [(variants, "spliced")]}
+try:  # the frontier's plans, solved in fxplan.frontier since session 30 (in fxplan.search before)
+    from fxplan import frontier
+
+    STAGES["solve"].append((frontier, "plan_graph"))
+    STAGES["min"].append((frontier, "min_budget_bytes_graph"))
+except ImportError:
+    pass
 
 
 def build(name: str, batch: int):
