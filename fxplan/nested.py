@@ -50,6 +50,7 @@ recomputation among those that fit (:meth:`NestedSearch.cheapest`) rather than t
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -280,9 +281,10 @@ class NestedSearch:
     """Local search over nested plans from a canonical plan (module docstring)."""
 
     def __init__(self, cg: CostGraph, meter: PlanMeter, max_measurements: int | None = None,
-                 replayed: Callable[[list[Block]], int] | None = None, trusted: bool = False):
+                 replayed: Callable[[list[Block], int | None], int] | None = None, trusted: bool = False):
         self.cg, self.meter = cg, meter
-        #: the predicted peak of a tree (:func:`fxplan.replay.replay`); None: every tree is measured
+        #: the predicted peak of a tree (:func:`fxplan.replay.replay`), or a lower bound above its cap where a
+        #: cap is given (:class:`fxplan.replay.AboveCap`); None: every tree is measured
         self.replayed = replayed
         #: rank trees by their replayed peaks instead of measuring them (module docstring): every peak this
         #: search reports is then a replayed one, and its results carry no code
@@ -312,7 +314,7 @@ class NestedSearch:
         self.measurements_left -= 1
         self.total_left -= 1
         if self.trusted:
-            got = self.replayed(blocks) if replayed is None else replayed, None
+            got = self.replayed(blocks, None) if replayed is None else replayed, None
         else:
             got = self.meter.measure([b.names for b in blocks], subplans.as_children(blocks))
         if got is not None and subplans.depth(blocks) > 1:
@@ -333,6 +335,7 @@ class NestedSearch:
         best, left, self._seed = found, CHEAPEN, seed
         replays_left = CHEAPEN_REPLAY_WORK // max(self.cg.number_of_nodes(), 1)
         bar = self._replayed(found.blocks)
+        cap = math.floor(min(found.measured * (1 + TOLERANCE), bar * (1 + RELATIVE_TOLERANCE)))  # _may_beat's
         while left > 0 and replays_left > 0:
             options = sorted((rf, n, t) for n, t in enumerate(self._cheaper(best.blocks))
                              if (rf := self._recompute(t)) < best.recompute_fraction)
@@ -340,7 +343,7 @@ class NestedSearch:
                 if left <= 0 or replays_left <= 0:
                     break
                 replays_left -= self.replayed is not None
-                predicted = self._replayed(tree)
+                predicted = self._replayed(tree, cap)
                 if not self._may_beat(predicted, found.measured, bar):
                     continue
                 left -= not self.trusted
@@ -387,8 +390,10 @@ class NestedSearch:
         m = min(fits, key=lambda m: (m.recompute_fraction, m.measured))
         return NestedResult(m.blocks, m.measured, m.code, m.recompute_fraction), m.seed
 
-    def _replayed(self, blocks: list[Block]) -> int:
-        return 0 if self.replayed is None else self.replayed(blocks)
+    def _replayed(self, blocks: list[Block], cap: int | None = None) -> int:
+        """The replayed peak of ``blocks`` (0 without a replay); above ``cap``, a lower bound of it above ``cap``:
+        a tree that cannot pass :meth:`_may_beat` need not be replayed to its end."""
+        return 0 if self.replayed is None else self.replayed(blocks, cap)
 
     def _may_beat(self, predicted: int, bar: float, replayed_bar: float, gain: bool = False) -> bool:
         """False if a tree replayed at ``predicted`` cannot measure at most ``bar`` (a measured peak to beat,
@@ -401,12 +406,12 @@ class NestedSearch:
             return False
         return predicted <= bar * (1 + TOLERANCE) and predicted <= replayed_bar * (1 + RELATIVE_TOLERANCE)
 
-    def _promising(self, trees: Iterable[list[Block]]) -> list[tuple[int, list[Block]]]:
+    def _promising(self, trees: Iterable[list[Block]], cap: int) -> list[tuple[int, list[Block]]]:
         """``trees`` with their replayed peaks, lowest first, equal peaks least recomputation first (in their
-        own order, all 0, without a replay)."""
+        own order, all 0, without a replay); a peak above ``cap`` is a lower bound of it (above ``cap``)."""
         if self.replayed is None:
             return [(0, t) for t in trees]
-        scored = [(self._replayed(t), self._recompute(t), n, t) for n, t in enumerate(trees)]
+        scored = [(self._replayed(t, cap), self._recompute(t), n, t) for n, t in enumerate(trees)]
         return [(peak, t) for peak, _, _, t in sorted(scored, key=lambda x: x[:3])]
 
     def _moves(self, blocks: list[Block], rank: dict[str, int]) -> Iterator[list[Block]]:
@@ -452,7 +457,9 @@ class NestedSearch:
         for _ in range(ROUNDS):
             round_best, idle = None, 0  # (measured, code, tree, replayed)
             patience = PATIENCE if self.replayed is None else REPLAYED_PATIENCE
-            for predicted, cand in self._promising(itertools.islice(self._moves(best_blocks, rank), MOVES_PER_ROUND)):
+            # a move must replay below the best tree's replayed peak (_may_beat's gain): replays stop above it
+            moves = itertools.islice(self._moves(best_blocks, rank), MOVES_PER_ROUND)
+            for predicted, cand in self._promising(moves, best_replayed - 1):
                 bar, replayed_bar = (best, best_replayed) if round_best is None else (round_best[0], round_best[3])
                 if idle == patience or min(self.measurements_left, self.total_left) <= 0 \
                         or not self._may_beat(predicted, bar, replayed_bar, gain=True):

@@ -222,8 +222,8 @@ class Search:
     def _replay(self, p: Plan, cap: int | None = None) -> Replay | AboveCap:
         return replay(self.cg, self.step, p.segments, cap=cap)
 
-    def _replay_tree(self, blocks: list[Block]) -> int:
-        return replay_blocks(self.cg, self.step, blocks).peak_bytes
+    def _replay_tree(self, blocks: list[Block], cap: int | None = None) -> int:
+        return replay_blocks(self.cg, self.step, blocks, cap).peak_bytes
 
     @property
     def candidates(self) -> list[Candidate]:

@@ -347,7 +347,7 @@ def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypa
     honest = Search(cg, model, x, solver="approx", trust_replay=False).lowest()
     replay_blocks = search_mod.replay_blocks
 
-    def optimistic(cg, step, blocks):  # nested plans look 5% lower than they are
+    def optimistic(cg, step, blocks, cap=None):  # nested plans look 5% lower than they are (replayed uncapped)
         got = replay_blocks(cg, step, blocks)
         if any(b.sub for b in blocks):
             got.peak_bytes = int(got.peak_bytes * 0.95)
