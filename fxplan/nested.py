@@ -50,8 +50,8 @@ recomputation among those that fit (:meth:`NestedSearch.cheapest`) rather than t
 from __future__ import annotations
 
 import itertools
-import math
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
