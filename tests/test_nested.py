@@ -360,6 +360,38 @@ def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypa
     assert (_shape(low.plan), low.measured) == (_shape(honest.plan), honest.measured)
 
 
+def test_a_lowest_nested_plan_slightly_above_its_replay_is_kept_without_searching_again(monkeypatch):
+    """If the replay under-predicts nested plans by less than NESTED_SLACK, the plan the replay-ranked search finds
+    is kept at its measured peak (below every canonical plan): the replay stays trusted and no move is measured."""
+    from fxplan import search as search_mod
+    from fxplan.search import NESTED_SLACK, TRUST, Search
+    from fxplan.trace import trace
+
+    model = Chain(convs=3)
+    x = (torch.randn(16, 3, 32, 32),)
+    cg = trace(model, x)
+    replay_blocks = search_mod.replay_blocks
+    under = (TRUST + NESTED_SLACK) / 2
+
+    def optimistic(cg, step, blocks, cap=None):  # nested plans look a little lower than they are
+        got = replay_blocks(cg, step, blocks)
+        if any(b.sub for b in blocks):
+            got.peak_bytes = int(got.peak_bytes * (1 - under))
+        return got
+
+    monkeypatch.setattr(search_mod, "replay_blocks", optimistic)
+    search = Search(cg, model, x, solver="approx")
+    measured = []
+    measure = search.meter.measure
+    monkeypatch.setattr(search.meter, "measure", lambda segments, children: measured.append(bool(children))
+                        or measure(segments, children))
+    low = search.lowest()
+    assert search.trust_replay and low.plan.children  # kept: a nested plan, the replay still trusted
+    assert measured.count(True) == 1  # the nested plan itself, no move
+    assert low.replayed < low.measured < search.smallest().measured
+    assert low.measured == measure(low.plan.segments, low.plan.children)[0]
+
+
 def test_a_cheaper_nested_plan_that_misses_its_replay_is_set_aside_and_the_replay_still_trusted():
     """A nested plan chosen by its replay for the smallest peak that measures above it is dropped for the next
     cheapest; the lowest plan, measured, still stands, so the search does not start again measuring. Made here by
