@@ -334,10 +334,24 @@ def test_trusting_the_replay_finds_the_same_plans_with_fewer_fake_steps():
     assert results[True][1] < results[False][1]
 
 
+def _nested_replays_under(monkeypatch, fraction: float) -> None:
+    """Make the search's replay predict nested plans ``fraction`` below their peak (replayed uncapped)."""
+    from fxplan import search as search_mod
+
+    replay_blocks = search_mod.replay_blocks
+
+    def optimistic(cg, step, blocks, cap=None):
+        got = replay_blocks(cg, step, blocks)
+        if any(b.sub for b in blocks):
+            got.peak_bytes = int(got.peak_bytes * (1 - fraction))
+        return got
+
+    monkeypatch.setattr(search_mod, "replay_blocks", optimistic)
+
+
 def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypatch):
     """If the replay under-predicts nested plans, the plan the replay-ranked search finds measures above its
     replay; the search is made again measuring its moves, and its answer is the measuring search's."""
-    from fxplan import search as search_mod
     from fxplan.search import Search
     from fxplan.trace import trace
 
@@ -345,15 +359,7 @@ def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypa
     x = (torch.randn(16, 3, 32, 32),)
     cg = trace(model, x)
     honest = Search(cg, model, x, solver="approx", trust_replay=False).lowest()
-    replay_blocks = search_mod.replay_blocks
-
-    def optimistic(cg, step, blocks, cap=None):  # nested plans look 5% lower than they are (replayed uncapped)
-        got = replay_blocks(cg, step, blocks)
-        if any(b.sub for b in blocks):
-            got.peak_bytes = int(got.peak_bytes * 0.95)
-        return got
-
-    monkeypatch.setattr(search_mod, "replay_blocks", optimistic)
+    _nested_replays_under(monkeypatch, 0.05)
     search = Search(cg, model, x, solver="approx")
     low = search.lowest()
     assert not search.trust_replay  # the measurement caught it
@@ -363,23 +369,13 @@ def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypa
 def test_a_lowest_nested_plan_slightly_above_its_replay_is_kept_without_searching_again(monkeypatch):
     """If the replay under-predicts nested plans by less than NESTED_SLACK, the plan the replay-ranked search finds
     is kept at its measured peak (below every canonical plan): the replay stays trusted and no move is measured."""
-    from fxplan import search as search_mod
     from fxplan.search import NESTED_SLACK, TRUST, Search
     from fxplan.trace import trace
 
     model = Chain(convs=3)
     x = (torch.randn(16, 3, 32, 32),)
     cg = trace(model, x)
-    replay_blocks = search_mod.replay_blocks
-    under = (TRUST + NESTED_SLACK) / 2
-
-    def optimistic(cg, step, blocks, cap=None):  # nested plans look a little lower than they are
-        got = replay_blocks(cg, step, blocks)
-        if any(b.sub for b in blocks):
-            got.peak_bytes = int(got.peak_bytes * (1 - under))
-        return got
-
-    monkeypatch.setattr(search_mod, "replay_blocks", optimistic)
+    _nested_replays_under(monkeypatch, (TRUST + NESTED_SLACK) / 2)
     search = Search(cg, model, x, solver="approx")
     measured = []
     measure = search.meter.measure
