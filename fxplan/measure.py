@@ -36,7 +36,7 @@ from fxplan.fakes import (
     model_copy,
     to_fake,
 )
-from fxplan.scratch import call_figures, output_storages, storage_bytes
+from fxplan.scratch import METADATA_QUERIES, call_figures, output_storages, storage_bytes
 
 GiB = 1024**3
 MiB = 1024**2
@@ -115,6 +115,8 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in METADATA_QUERIES:
+            return out
         figures = call_figures(func, args, kwargs)
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         for storage, nbytes in output_storages(figures, outputs):

@@ -245,6 +245,9 @@ class _CostPropagator(torch.fx.Interpreter):
         # per compute node: the autograd nodes of its outputs, and the first sequence number it used
         self.grad_fns: dict[str, set] = {}
         self.grad_start: dict[str, int] = {}
+        # what each call's forward counted (NodeCensus), by what it depends on (call_key): a repeated layer's
+        # nodes are counted once
+        self.censuses: dict[tuple, tuple] = {}
 
     def placeholder(self, target, args, kwargs):
         value = super().placeholder(target, args, kwargs)
@@ -268,17 +271,18 @@ class _CostPropagator(torch.fx.Interpreter):
             return t
 
         record.call = self.fetch_args_kwargs_from_env(n)
-        census = NodeCensus(self.buffer_names)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), census:
-            out = super().run_node(n)
-        if n.op == "call_module" and census.written_storages & input_storages \
-                and mutated_position(n, self.module) is None:
-            raise TraceError(f"module '{n.target}' writes one of its inputs in place, which fxplan cannot see "
-                             "from the module (no inplace=True): a plan could recompute from the written value")
-        record.forward_rise = census.peak_bytes
-        record.mutates = tuple(census.written)
-        record.flops, record.bytes_moved, record.ops = census.flops, census.bytes_moved, census.ops
-        record.op_bytes = census.op_bytes
+        key = self.call_key(n, record.call)
+        known = self.censuses.get(key) if key is not None else None
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if known is None:
+                census = NodeCensus(self.buffer_names)
+                with census:
+                    out = super().run_node(n)
+                known = self._census_figures(n, census, input_storages, key)
+            else:  # a call like one counted before (a repeated layer): its figures, not counted again
+                out = super().run_node(n)
+        record.forward_rise, record.flops, record.bytes_moved, record.ops, op_bytes, record.mutates = known
+        record.op_bytes = dict(op_bytes)
         record.device = next((t.device for t in tensors((out, record.call))), None)
         for t in tensors(out):
             key = t.untyped_storage()._cdata
@@ -290,6 +294,21 @@ class _CostPropagator(torch.fx.Interpreter):
         self.records[n.name] = record
         self.grad_fns[n.name] = {t.grad_fn for t in tensors(out) if t.grad_fn is not None}
         return out
+
+    def _census_figures(self, n: torch.fx.Node, census: NodeCensus, input_storages: set[int],
+                        key: tuple | None) -> tuple:
+        """What ``census`` counted of node ``n``'s forward, kept for later calls of the same ``key`` where ``n`` writes
+        nothing in place (the names of the buffers written are the node's own; a call that writes nothing writes
+        nothing when made again on arguments alike)."""
+        if n.op == "call_module" and census.written_storages & input_storages \
+                and mutated_position(n, self.module) is None:
+            raise TraceError(f"module '{n.target}' writes one of its inputs in place, which fxplan cannot see "
+                             "from the module (no inplace=True): a plan could recompute from the written value")
+        figures = (census.peak_bytes, census.flops, census.bytes_moved, census.ops, census.op_bytes,
+                   tuple(census.written))
+        if key is not None and not census.written_storages:
+            self.censuses[key] = figures
+        return figures
 
     def release(self) -> None:
         """Drop the propagation's values, last node first.

@@ -4,8 +4,12 @@ Usage: python scripts/rewrite_scale.py [--models synthetic:300,synthetic:1000,re
                                        [--batch N] [--fresh]
 
 Issue 10's goal: ``fxplan.rewrite`` (capture, plan, rewrite, budget fit) in at most 3x the time of one
-fake-tensor step (``fxplan.measure_step(model, inputs, fake=True)``), with no budget and with a middle
-budget (halfway between the smallest measured peak ``rewrite`` reaches and the step's own peak).
+fake-tensor step, with no budget and with a middle budget (halfway between the smallest measured peak
+``rewrite`` reaches and the step's own peak). Two steps are timed, interleaved with the rewrites: the bare
+step (forward and backward of a fake copy of the model under its fake mode, no meter, the copy made
+beforehand), which the goal's ratios are taken against (``x bare``), and fxplan's metered one
+(``fxplan.measure_step(model, inputs, fake=True)``: a fake copy, then the step under fxplan's storage
+meter), against which sessions before 32 reported them (``x metered``).
 ``synthetic:N`` is scripts/planner_scale.py's residual network of N nodes (batch 8, sequence 128, width
 64); ``gpt2:L`` a GPT-2 of L layers from transformers (width 64, 4 heads, vocabulary 128, random init,
 batch 4, sequence 128; about 46 + 41 L nodes as captured); other names are zoo networks, ``timm:NAME`` or
@@ -40,6 +44,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fxplan
 import fxplan.trace as tracing
 from fxplan import dp, meter, rewriting, search, variants
+from fxplan.capture import as_call
+from fxplan.fakes import fake_copy, fake_mode_of
+from fxplan.measure import default_loss
 from fxplan.sweep_model import SweepModel
 from fxplan.trace import trace
 
@@ -129,15 +136,32 @@ def stages(seconds: dict[str, list[float]]) -> str:
     return ", ".join(f"{k} {sum(v):.1f}" + (f" ({len(v)}x)" if len(v) > 1 else "") for k, v in seconds.items())
 
 
+def bare_step(net, inputs, loss) -> float:
+    """Seconds of one forward and backward of a fake copy of ``net`` under its fake mode, without a meter
+    (module docstring)."""
+    mode = fake_mode_of(net, inputs)
+    model, call = fake_copy(net, mode), as_call(inputs)
+    t0 = time.perf_counter()
+    with mode:
+        (loss or default_loss)(model(*call.args, **call.kwargs)).backward()
+    return time.perf_counter() - t0
+
+
+def ratio(seconds: list[float], step: float) -> str:
+    return f"{spread(seconds)} ({statistics.median(seconds) / step:.1f}x)"
+
+
 def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]], half: bool = False) -> str:
     net, inputs, loss = build(name, batch)
     t_trace, cg = clock(lambda: trace(net, inputs))
     t_solve, _ = clock(lambda g=cg: dp.solve(g, None, strategy="memory", memory_model=SweepModel()))
     cg = None  # the rewrites trace their own graph
     fxplan.measure_step(net, inputs, fake=True, loss_fn=loss)  # warm-up
-    steps, free, mid, breakdown, middle, peak, nodes = [], [], [], "", None, None, 0
+    bare_step(net, inputs, loss)
+    steps, bare, free, mid, breakdown, middle, peak, nodes = [], [], [], [], "", None, None, 0
     cpu_steps, cpu_mid = [], []
     for r in range(repeats):
+        bare.append(bare_step(net, inputs, loss))
         t, st = clock(lambda: fxplan.measure_step(net, inputs, fake=True, loss_fn=loss))
         steps.append(t)
         cpu_steps.append(CPU[-1])
@@ -163,13 +187,13 @@ def run(name: str, batch: int, repeats: int, seconds: dict[str, list[float]], ha
         mid.append(t)
         cpu_mid.append(CPU[-1])
         peak = (m.fxplan_measured_peak_bytes, m2.fxplan_measured_peak_bytes, st.peak_bytes)
-    step = statistics.median(steps)
+    step, bare_s = statistics.median(steps), statistics.median(bare)
     cpu_ratio = statistics.median(cpu_mid) / statistics.median(cpu_steps)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    free_s = f"{spread(free)} ({statistics.median(free) / step:.1f}x)" if free else "not run"
+    free_s = f"{ratio(free, bare_s)} / {statistics.median(free) / step:.1f}x" if free else "not run"
     no_budget = "-" if peak[0] is None else f"{peak[0] / 2**20:.0f}"
-    return (f"| {name} | {nodes} | {t_trace:.1f} | {t_solve:.1f} | {spread(steps)} | {free_s} | "
-            f"{spread(mid)} ({statistics.median(mid) / step:.1f}x) | "
+    return (f"| {name} | {nodes} | {t_trace:.1f} | {t_solve:.1f} | {spread(bare)} / {spread(steps)} | {free_s} | "
+            f"{ratio(mid, bare_s)} / {statistics.median(mid) / step:.1f}x | "
             f"{spread(cpu_steps)} / {spread(cpu_mid)} ({cpu_ratio:.1f}x) | "
             f"{no_budget} / {peak[1] / 2**20:.0f} / {peak[2] / 2**20:.0f} | {rss:.0f} | {breakdown} |")
 
@@ -185,8 +209,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--no-header", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not args.no_header:
-        print("| model | nodes | trace s | MC solve s | fake step s | rewrite, no budget s (x step) | "
-              "rewrite, middle budget s (x step) | CPU s: step / middle budget (x) | "
+        print("| model | nodes | trace s | MC solve s | fake step s: bare / metered | "
+              "rewrite, no budget s (x bare) / x metered | rewrite, middle budget s (x bare) / x metered | "
+              "CPU s: metered step / middle budget (x) | "
               "measured peak MiB: no budget / middle / plain step | peak RSS MB | breakdown s |")
         print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.models.split(","):

@@ -120,3 +120,28 @@ def test_cuda_storages_are_counted_as_the_caching_allocator_charges_them():
                 y = x.tanh()
                 del y
             assert tracker.peak_bytes == 2 * each, device
+
+
+class ParametersOnOneStorage(nn.Module):
+    """Two parameters that are views of one flat storage, one that views half of a larger one, and a Linear's own."""
+
+    def __init__(self):
+        super().__init__()
+        flat, larger = torch.randn(2 * 32 * 32), torch.randn(2 * 32 * 32)
+        self.a = nn.Parameter(flat[: 32 * 32].view(32, 32))
+        self.b = nn.Parameter(flat[32 * 32:].view(32, 32))
+        self.part = nn.Parameter(larger[: 32 * 32].view(32, 32))
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(x @ self.a @ self.b @ self.part)
+
+
+def test_a_fake_copy_keeps_the_storages_parameters_share_or_view_in_part():
+    """The fake copy makes a tensor alone on its storage anew (fast) and converts the others, so that storages
+    are counted as the model holds them: one for two views, all of a storage a parameter views half of."""
+    copy = fake_copy(ParametersOnOneStorage(), FakeTensorMode(allow_non_fake_inputs=True))
+    assert copy.a.untyped_storage()._cdata == copy.b.untyped_storage()._cdata
+    assert copy.a.untyped_storage().nbytes() == copy.part.untyped_storage().nbytes() == 2 * 32 * 32 * 4
+    assert copy.fc.weight.untyped_storage().nbytes() == 32 * 32 * 4
+    assert copy.fc.weight.untyped_storage()._cdata != copy.fc.bias.untyped_storage()._cdata

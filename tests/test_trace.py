@@ -232,3 +232,55 @@ def test_tracing_20000_nodes_does_not_overflow_the_stack():
     done = subprocess.run([sys.executable, "-c", _DEEP_TRACE], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.split() == ["20000"]
+
+
+class TwoAlike(nn.Module):
+    """Two identical conv-BatchNorm-ReLU layers and a pair of identical linear layers: calls alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+                                      for _ in range(2)])
+        self.fc1, self.fc2 = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(self.layers(x).flatten(1))))
+
+
+def _node_figures(cg: CostGraph) -> dict:
+    return {v: {k: d[k] for k in ("T", "flops", "forward_rise", "mutates", "saved_inputs", "saved", "M")}
+            for v, d in cg.nodes(data=True)}
+
+
+def test_calls_alike_are_counted_once_with_the_figures_of_counting_each(monkeypatch):
+    """The propagation counts a call's forward (FLOPs, bytes moved, the storages it holds at once) once per kind of
+    call (op or module, argument shapes) and gives the others the same figures; a node that writes buffers is
+    counted on its own, so each BatchNorm names its own statistics."""
+    import fxplan.op_census as census_module
+    import fxplan.trace as tracing
+
+    model, x = TwoAlike(), (torch.randn(2, 4, 8, 8),)
+    counted = []
+    real_enter = census_module.NodeCensus.__enter__
+    monkeypatch.setattr(census_module.NodeCensus, "__enter__", lambda self: counted.append(1) or real_enter(self))
+    once = _node_figures(trace(model, x, cost_model="flops"))
+    counted_once = len(counted)
+
+    class Forgetful(dict):
+        def get(self, key, default=None):
+            return default
+
+    real_init = tracing._CostPropagator.__init__
+
+    def forgetful_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.censuses = Forgetful()
+
+    monkeypatch.setattr(tracing._CostPropagator, "__init__", forgetful_init)
+    counted.clear()
+    each = _node_figures(trace(model, x, cost_model="flops"))
+    assert once == each
+    assert counted_once < len(counted)  # the second conv, ReLU and linear were not counted again
+    assert set(once["layers_0_1"]["mutates"]) == {"layers.0.1.running_mean", "layers.0.1.running_var",
+                                                  "layers.0.1.num_batches_tracked"}
+    assert once["layers_1_1"]["mutates"] == tuple(n.replace(".0.", ".1.") for n in once["layers_0_1"]["mutates"])
