@@ -343,7 +343,7 @@ class NestedSearch:
                 if left <= 0 or replays_left <= 0:
                     break
                 replays_left -= self.replayed is not None
-                predicted = self._replayed(tree, cap)
+                predicted = self._replayed(tree, cap, best.blocks)
                 if not self._may_beat(predicted, found.measured, bar):
                     continue
                 left -= not self.trusted
@@ -390,10 +390,13 @@ class NestedSearch:
         m = min(fits, key=lambda m: (m.recompute_fraction, m.measured))
         return NestedResult(m.blocks, m.measured, m.code, m.recompute_fraction), m.seed
 
-    def _replayed(self, blocks: list[Block], cap: int | None = None) -> int:
+    def _replayed(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> int:
         """The replayed peak of ``blocks`` (0 without a replay); above ``cap``, a lower bound of it above ``cap``:
-        a tree that cannot pass :meth:`_may_beat` need not be replayed to its end."""
-        return 0 if self.replayed is None else self.replayed(blocks, cap)
+        a tree that cannot pass :meth:`_may_beat` need not be replayed to its end. ``base``: the tree ``blocks``
+        is one move from, whose replay the move's may start from (:class:`fxplan.replay.NearReplays`)."""
+        if self.replayed is None:
+            return 0
+        return self.replayed(blocks, cap) if base is None else self.replayed(blocks, cap, base)
 
     def _may_beat(self, predicted: int, bar: float, replayed_bar: float, gain: bool = False) -> bool:
         """False if a tree replayed at ``predicted`` cannot measure at most ``bar`` (a measured peak to beat,
@@ -406,12 +409,13 @@ class NestedSearch:
             return False
         return predicted <= bar * (1 + TOLERANCE) and predicted <= replayed_bar * (1 + RELATIVE_TOLERANCE)
 
-    def _promising(self, trees: Iterable[list[Block]], cap: int) -> list[tuple[int, list[Block]]]:
-        """``trees`` with their replayed peaks, lowest first, equal peaks least recomputation first (in their
-        own order, all 0, without a replay); a peak above ``cap`` is a lower bound of it (above ``cap``)."""
+    def _promising(self, trees: Iterable[list[Block]], cap: int, base: list[Block]) -> list[tuple[int, list[Block]]]:
+        """``trees`` (one move from ``base``) with their replayed peaks, lowest first, equal peaks least
+        recomputation first (in their own order, all 0, without a replay); a peak above ``cap`` is a lower bound of
+        it (above ``cap``)."""
         if self.replayed is None:
             return [(0, t) for t in trees]
-        scored = [(self._replayed(t, cap), self._recompute(t), n, t) for n, t in enumerate(trees)]
+        scored = [(self._replayed(t, cap, base), self._recompute(t), n, t) for n, t in enumerate(trees)]
         return [(peak, t) for peak, _, _, t in sorted(scored, key=lambda x: x[:3])]
 
     def _moves(self, blocks: list[Block], rank: dict[str, int]) -> Iterator[list[Block]]:
@@ -459,7 +463,7 @@ class NestedSearch:
             patience = PATIENCE if self.replayed is None else REPLAYED_PATIENCE
             # a move must replay below the best tree's replayed peak (_may_beat's gain): replays stop above it
             moves = itertools.islice(self._moves(best_blocks, rank), MOVES_PER_ROUND)
-            for predicted, cand in self._promising(moves, best_replayed - 1):
+            for predicted, cand in self._promising(moves, best_replayed - 1, best_blocks):
                 bar, replayed_bar = (best, best_replayed) if round_best is None else (round_best[0], round_best[3])
                 if idle == patience or min(self.measurements_left, self.total_left) <= 0 \
                         or not self._may_beat(predicted, bar, replayed_bar, gain=True):

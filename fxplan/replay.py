@@ -307,6 +307,95 @@ def replay_blocks(cg: CostGraph, sm: StepModel, blocks: list[Block], cap: int | 
         return AboveCap(replayer.peak)
 
 
+@dataclass
+class _Recorded:
+    """A replay's state before each top-level block's forward and backward, and the peak while each block's forward
+    runs (:meth:`_Replayer.forward`)."""
+
+    forward_states: dict[int, tuple] = field(default_factory=dict)
+    forward_peaks: dict[int, int] = field(default_factory=dict)
+    loss_peak: int = 0  # the peak while the loss runs, after the forward
+    backward_states: dict[int, tuple] = field(default_factory=dict)
+
+
+#: Holders that name a block by its id (its checkpoint's inputs, the generator state forked for it, its guard).
+_BLOCK_HOLDERS = ("ckpt", "fork", "fguard")
+
+
+class NearReplays:
+    """:func:`replay_blocks` of trees one move from a base tree (the nested search's moves from its best tree:
+    :mod:`fxplan.nested`), replaying only what the move changes.
+
+    A tree that differs from the base only inside one top-level block that runs under checkpoint (not the last)
+    runs the same step before that block's forward and between its forward and its backward: the rest of the
+    forward cannot see how the block is split (it runs flat; its values are freed by the end of the block at the
+    latest), and the later blocks' backward neither. So the base is replayed once with its state recorded before
+    each top-level block's forward and backward, and such a tree replays that block's forward from the recorded
+    state, then the backward from that block down to the first: the same peaks as :func:`replay_blocks`, which
+    every other tree gets (and every tree of a model whose buffers the guard copies: the guards' copies are made
+    inside the forward of a split block)."""
+
+    def __init__(self, cg: CostGraph, sm: StepModel):
+        self.cg, self.sm = cg, sm
+        # the base tree, its replayer, replay, recorded states and forward frees
+        self._base: tuple[list[Block], _Replayer, Replay, _Recorded, dict[int, list[str]]] | None = None
+
+    def replay(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> Replay | AboveCap:
+        """:func:`replay_blocks` of ``blocks``, from ``base``'s recorded replay where ``blocks`` is one move from
+        it (class docstring)."""
+        i = self._moved_block(base, blocks) if base is not None and not self.sm.guarded else None
+        if i is None:
+            return replay_blocks(self.cg, self.sm, blocks, cap)
+        _, base_replayer, done, record, _ = self._base
+        replayer = _Replayer(self.cg, self.sm, blocks, sys.maxsize if cap is None else cap)
+        if replayer.copies != base_replayer.copies:  # the rewriter's copies of in-place ops moved with the split
+            return replay_blocks(self.cg, self.sm, blocks, cap)
+        ids = {id(a): id(b) for a, b in zip(base, blocks)}
+        try:
+            replayer.restore(record.forward_states[i], ids)
+            replayer.peak = replayer.current
+            replayer.forward_block(blocks, i, self._frees_in(replayer, blocks[i]), ("val",), None, None,
+                                   set(self.sm.outputs))
+            forward_peak = max(replayer.peak, record.loss_peak,
+                               *(p for k, p in record.forward_peaks.items() if k != i))
+            later = done.segment_peak_bytes[i + 1:]
+            known = max(forward_peak, *later) if later else forward_peak
+            if known > replayer.cap:
+                return AboveCap(known)
+            replayer.restore(record.backward_states[i], ids)
+            seg_peaks = replayer.backward_from(i)
+        except _OverCap:
+            return AboveCap(replayer.peak)
+        except KeyError:  # a state that names blocks no longer there
+            return replay_blocks(self.cg, self.sm, blocks, cap)
+        seg_peaks[i + 1:] = later
+        return Replay(max(known, *seg_peaks[:i + 1]), seg_peaks, forward_peak)
+
+    def _frees_in(self, replayer: _Replayer, block: Block) -> dict[int, list[str]]:
+        """The forward's frees (:meth:`_Replayer._frees`) at the nodes of ``block``, a top-level block of
+        ``replayer``'s tree where it differs from the base: where the block's own values are freed depends on how
+        it is split, where the others' are (at the end of the block, or outside it) does not."""
+        names = subplans.nodes_of(block)
+        inside, first, last = set(names), replayer.pos[names[0]], replayer.pos[names[-1]]
+        frees = {p: [v for v in values if v not in inside] for p, values in self._base[4].items() if first <= p <= last}
+        for p, values in replayer._frees(replayer.order, names).items():
+            frees.setdefault(p, []).extend(values)
+        return frees
+
+    def _moved_block(self, base: list[Block], blocks: list[Block]) -> int | None:
+        """The one top-level block, run under checkpoint, of the same nodes, in which ``blocks`` differs from
+        ``base`` (whose replay is recorded first); None if there is no such block."""
+        if len(blocks) != len(base):
+            return None
+        moved = [k for k, (a, b) in enumerate(zip(base, blocks)) if a is not b and a != b]
+        if len(moved) != 1 or moved[0] == len(blocks) - 1 or base[moved[0]].names != blocks[moved[0]].names:
+            return None
+        if self._base is None or self._base[0] is not base:
+            replayer, record = _Replayer(self.cg, self.sm, base), _Recorded()
+            self._base = base, replayer, replayer.run(record), record, replayer._frees(replayer.order)
+        return moved[0]
+
+
 @dataclass(frozen=True)
 class AboveCap:
     """A replay stopped where its peak passed the cap: ``peak_bytes`` is a lower bound of the step's peak, above
@@ -360,14 +449,14 @@ class _Replayer:
             else:
                 self._walk(b.sub, [*ends, end])
 
-    def _frees(self, run: Sequence[str]) -> dict[int, list[str]]:
-        """Position -> the values of ``run`` to free after the node there: FX frees a value after its last
-        reader in the function that made it, and a call of a block holds its arguments until it returns,
-        so a reader in another block counts as the end of the outermost block that holds it. A reader
-        beyond ``run`` (a recomputation stopped early) holds the value to the end of the run."""
+    def _frees(self, run: Sequence[str], values: Sequence[str] | None = None) -> dict[int, list[str]]:
+        """Position -> the values of ``run`` (of ``values`` among them, if given) to free after the node there: FX
+        frees a value after its last reader in the function that made it, and a call of a block holds its
+        arguments until it returns, so a reader in another block counts as the end of the outermost block that
+        holds it. A reader beyond ``run`` (a recomputation stopped early) holds the value to the end of the run."""
         within, pos, seg, stop = set(run), self.pos, self.seg, self.pos[run[-1]] if run else 0
         frees: dict[int, list[str]] = {}
-        for v in run:
+        for v in run if values is None else values:
             readers = self.succs[v]
             if not readers:
                 last = pos[v]
@@ -440,13 +529,24 @@ class _Replayer:
             self.release(s, ("saved", w))
 
     # ---------------------------------------------------------------------------- the step
-    def run(self) -> Replay:
-        forward_peak = self.forward()
-        seg_peaks = self.backward()
+    def run(self, record: _Recorded | None = None) -> Replay:
+        forward_peak = self.forward(record)
+        seg_peaks = self.backward(record)
         return Replay(max(forward_peak, *seg_peaks), seg_peaks, forward_peak)
 
-    def forward(self) -> int:
-        self.forward_blocks(self.blocks, self._frees(self.order), ("val",), None)
+    def forward(self, record: _Recorded | None = None) -> int:
+        """The forward pass and the loss; ``record``: the state before each top-level block and the peak while it
+        runs (:class:`NearReplays`)."""
+        frees, outputs = self._frees(self.order), set(self.sm.outputs)
+        for i in range(len(self.blocks)):
+            if record is None:
+                self.forward_block(self.blocks, i, frees, ("val",), None, None, outputs)
+                continue
+            record.forward_states[i], before, self.peak = self.state(), self.peak, self.current
+            self.forward_block(self.blocks, i, frees, ("val",), None, None, outputs)
+            record.forward_peaks[i], self.peak = self.peak, max(before, self.peak)
+        if record is not None:
+            record.loss_peak = self.current + self.sm.loss_peak
         self.peak = max(self.peak, self.current + self.sm.loss_peak)
         self.loss = self.new(self.sm.loss_held, "loss")
         if self.peak > self.cap:
@@ -460,27 +560,35 @@ class _Replayer:
         ``run``: the nodes to run (a recomputation stops early), None for all, and ``unrun`` the last of them
         if it only saves its inputs, without running (:meth:`recompute`); ``tag``: the values' holder."""
         outputs = set(self.sm.outputs) if tag == ("val",) else set()
-        for i, b in enumerate(blocks):
-            if i < len(blocks) - 1:
-                names = subplans.nodes_of(b)
-                if run is not None and names[0] not in run:
-                    return
-                inside = set(names)
-                self.inputs[id(b)] = sorted({self.sid[u] for v in names for u in self.preds[v] if u not in inside})
-                for sid in self.inputs[id(b)]:
-                    self.hold(sid, ("ckpt", id(b)))
-                if self._keeps_rng_state(names):  # the generator state checkpoint keeps with them
-                    self.inputs[id(b)].append(self.new(self.sm.rng_state_bytes, ("ckpt", id(b))))
-                guard = self._guard_bytes(names)
-                if guard:  # the buffer guard's copies of the buffers the block updates
-                    self.inputs[id(b)].append(self.new(guard, ("ckpt", id(b))))
-                if b.sub is not None and tag == ("val",):
-                    self._inner_guards(b.sub)
-                self._run(names, frees, tag, run, None, saving=False, outputs=outputs)
-            elif b.sub is not None:
-                self.forward_blocks(b.sub, frees, tag, run, unrun)
-            else:
-                self._run(b.names, frees, tag, run, unrun, saving=True, outputs=outputs)
+        for i in range(len(blocks)):
+            if not self.forward_block(blocks, i, frees, tag, run, unrun, outputs):
+                return
+
+    def forward_block(self, blocks: list[Block], i: int, frees: dict[int, list[str]], tag: tuple,
+                      run: set[str] | None, unrun: str | None, outputs: set[str]) -> bool:
+        """Block ``blocks[i]``'s forward (:meth:`forward_blocks`); False where a recomputation stops before it."""
+        b = blocks[i]
+        if i < len(blocks) - 1:
+            names = subplans.nodes_of(b)
+            if run is not None and names[0] not in run:
+                return False
+            inside = set(names)
+            self.inputs[id(b)] = sorted({self.sid[u] for v in names for u in self.preds[v] if u not in inside})
+            for sid in self.inputs[id(b)]:
+                self.hold(sid, ("ckpt", id(b)))
+            if self._keeps_rng_state(names):  # the generator state checkpoint keeps with them
+                self.inputs[id(b)].append(self.new(self.sm.rng_state_bytes, ("ckpt", id(b))))
+            guard = self._guard_bytes(names)
+            if guard:  # the buffer guard's copies of the buffers the block updates
+                self.inputs[id(b)].append(self.new(guard, ("ckpt", id(b))))
+            if b.sub is not None and tag == ("val",):
+                self._inner_guards(b.sub)
+            self._run(names, frees, tag, run, None, saving=False, outputs=outputs)
+        elif b.sub is not None:
+            self.forward_blocks(b.sub, frees, tag, run, unrun)
+        else:
+            self._run(b.names, frees, tag, run, unrun, saving=True, outputs=outputs)
+        return True
 
     def _run(self, names: list[str], frees: dict[int, list[str]], tag: tuple, run: set[str] | None,
              unrun: str | None, saving: bool, outputs: set[str]) -> None:
@@ -514,17 +622,48 @@ class _Replayer:
             if self.peak > cap:
                 raise _OverCap
 
-    def backward(self) -> list[int]:
+    def backward(self, record: _Recorded | None = None) -> list[int]:
         sm = self.sm
         self.release(self.loss, "loss")  # the loss's backward ran (its peak was counted by forward())
         for o in sm.outputs:
             self.grad[o] = self.new(int(sm.output_grad * self.facts.M[o]), ("grad", o))
+        return self.backward_from(len(self.blocks) - 1, record)
+
+    def backward_from(self, first: int, record: _Recorded | None = None) -> list[int]:
+        """The backward of the top-level blocks ``first``, ``first - 1``, ..., 0, and the peak during each (0 for
+        those after ``first``); ``record``: the state before each."""
         seg_peaks = [0] * len(self.blocks)
-        for i in range(len(self.blocks) - 1, -1, -1):
+        for i in range(first, -1, -1):
+            if record is not None:
+                record.backward_states[i] = self.state()
             self.peak = self.current
             self.backward_block(self.blocks, i)
             seg_peaks[i] = self.peak
         return seg_peaks
+
+    # ---------------------------------------------------------------------------- states (NearReplays)
+    def state(self) -> tuple:
+        """A copy of everything the replay changes as it goes."""
+        return (dict(self.bytes), {sid: set(h) for sid, h in self.holders.items()}, dict(self.sid),
+                {w: list(s) for w, s in self.saved.items()}, {k: list(s) for k, s in self.inputs.items()},
+                dict(self.grad), {k: list(s) for k, s in self.slots.items()}, set(self.seen_params),
+                dict(self.forward_guards), self.current, self._next, self.loss)
+
+    def restore(self, state: tuple, blocks: dict[int, int]) -> None:
+        """Take up ``state`` (:meth:`state`) of another tree's replay, its top-level blocks' ids mapped to this
+        tree's (``blocks``); KeyError where a holder names any other block (a state this replay cannot take up)."""
+        (nbytes, holders, sid, saved, inputs, grad, slots, seen, guards, self.current, self._next, self.loss) = state
+        if guards:
+            raise KeyError("buffer guards")
+
+        def mapped(h):
+            return (h[0], blocks[h[1]]) if h[0] in _BLOCK_HOLDERS else h
+
+        self.bytes, self.sid, self.grad, self.seen_params = dict(nbytes), dict(sid), dict(grad), set(seen)
+        self.holders = {s: {mapped(h) for h in held} for s, held in holders.items()}
+        self.saved = {w: list(s) for w, s in saved.items()}
+        self.inputs = {blocks[k]: list(s) for k, s in inputs.items()}
+        self.slots = {k: list(s) for k, s in slots.items()}
 
     def backward_block(self, level: list[Block], i: int, in_recompute: bool = False) -> None:
         """The backward of block ``level[i]``: recomputed first if checkpointed (every block of a level but

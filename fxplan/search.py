@@ -79,7 +79,7 @@ from fxplan.meter import PlanMeter
 from fxplan.nested import NestedResult, NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph, resident_bytes
 from fxplan.plans import Plan
-from fxplan.replay import AboveCap, Replay, StepModel, replay, replay_blocks, step_model
+from fxplan.replay import AboveCap, NearReplays, Replay, StepModel, replay, replay_blocks, step_model
 from fxplan.subplans import Block
 
 logger = logging.getLogger("fxplan")
@@ -197,6 +197,7 @@ class Search:
         self.cg, self.inputs, self.loss_fn, self.solver = cg, example_inputs, loss_fn, solver
         self.trust_replay = trust_replay  # may the nested search rank by replay (TRUST)? False: it measures
         self.step: StepModel = step_model(cg, model, example_inputs, loss_fn)
+        self._near = NearReplays(cg, self.step)  # the nested search's moves, replayed from the tree they move
         self.ratio = 1.0  # the least measured / replayed peak seen so far, at most 1
         self.model = model
         self.frontier = Frontier(cg, model, solver)
@@ -230,8 +231,8 @@ class Search:
     def _replay(self, p: Plan, cap: int | None = None) -> Replay | AboveCap:
         return replay(self.cg, self.step, p.segments, cap=cap)
 
-    def _replay_tree(self, blocks: list[Block], cap: int | None = None) -> int:
-        return replay_blocks(self.cg, self.step, blocks, cap).peak_bytes
+    def _replay_tree(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> int:
+        return self._near.replay(blocks, cap, base).peak_bytes
 
     @property
     def candidates(self) -> list[Candidate]:

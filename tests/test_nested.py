@@ -336,17 +336,15 @@ def test_trusting_the_replay_finds_the_same_plans_with_fewer_fake_steps():
 
 def _nested_replays_under(monkeypatch, fraction: float) -> None:
     """Make the search's replay predict nested plans ``fraction`` below their peak (replayed uncapped)."""
-    from fxplan import search as search_mod
+    from fxplan.search import Search
 
-    replay_blocks = search_mod.replay_blocks
+    replayed = Search._replay_tree
 
-    def optimistic(cg, step, blocks, cap=None):
-        got = replay_blocks(cg, step, blocks)
-        if any(b.sub for b in blocks):
-            got.peak_bytes = int(got.peak_bytes * (1 - fraction))
-        return got
+    def optimistic(self, blocks, cap=None, base=None):
+        peak = replayed(self, blocks)
+        return int(peak * (1 - fraction)) if any(b.sub for b in blocks) else peak
 
-    monkeypatch.setattr(search_mod, "replay_blocks", optimistic)
+    monkeypatch.setattr(Search, "_replay_tree", optimistic)
 
 
 def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypatch):

@@ -449,3 +449,63 @@ def test_replay_is_exact_on_flat_and_nested_plans(case, tolerance):
         predicted = replay(cg, sm, segments, children).peak_bytes
         measured = measure_step(segment_module(cg.graph["gm"], segments, children), inputs, fake=True).peak_bytes
         assert abs(predicted - measured) <= tolerance * measured, (segments, predicted, measured)
+
+
+class _ResidualMLP(torch.nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear -> add, repeated: no buffers, so NearReplays replays from its records.
+    The first layer is 64 times wider than the others: the forward's peak is in it, where splitting it moves it."""
+
+    def __init__(self, blocks: int = 6, width: int = 16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(width), torch.nn.Linear(width, (256 if i == 0 else 4) * width), torch.nn.GELU(),
+            torch.nn.Linear((256 if i == 0 else 4) * width, width)) for i in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("name", ["mlp", "inplace_zoo", "multi_in_out", "densenet_block"])
+def test_trees_one_move_from_a_base_replay_as_a_whole_replay_does(name, monkeypatch):
+    """NearReplays replays a tree that differs from its base inside one checkpointed top-level block from the
+    base's recorded states: every split of such a block into two, with its first part split again or not, gives
+    the peaks (whole step, per segment, forward) that replay_blocks gives, also where a cap stops both. Moves in
+    the last block, and every tree of a model whose buffers the guard copies (the DenseNet block's BatchNorm),
+    are replayed whole."""
+    from fxplan.replay import AboveCap, NearReplays, replay_blocks
+    from fxplan.subplans import Block
+
+    if name == "mlp":
+        model, inputs = _ResidualMLP(), (torch.randn(4, 8, 16),)
+    else:
+        make, make_inputs = AWKWARD[name]
+        torch.manual_seed(0)
+        model, inputs = make().train(), make_inputs()
+    cg = trace(model, inputs)
+    sm = step_model(cg, model, inputs)
+    base = [Block(list(s)) for s in chunks(compute_names(cg.graph["gm"]), 4)]
+    trees = []
+    for i, b in enumerate(base):
+        for cut in range(1, len(b.names)):
+            for inner in [None, *range(1, cut)]:
+                head = Block(b.names[:cut], None if inner is None else
+                             [Block(b.names[:inner]), Block(b.names[inner:cut])])
+                tree = [Block(list(c.names)) for c in base]
+                tree[i] = Block(list(b.names), [head, Block(b.names[cut:])])
+                trees.append(tree)
+    moved = []
+    real_moved_block = NearReplays._moved_block
+    monkeypatch.setattr(NearReplays, "_moved_block", lambda self, *a: moved.append(real_moved_block(self, *a))
+                        or moved[-1])
+    near = NearReplays(cg, sm)
+    for tree in trees:
+        whole = replay_blocks(cg, sm, tree)
+        got = near.replay(tree, None, base)
+        assert (got.peak_bytes, got.segment_peak_bytes, got.forward_peak_bytes) == \
+            (whole.peak_bytes, whole.segment_peak_bytes, whole.forward_peak_bytes)
+        assert isinstance(near.replay(tree, whole.peak_bytes - 1, base), AboveCap)
+        assert near.replay(tree, whole.peak_bytes, base).peak_bytes == whole.peak_bytes
+    from_records = sum(i is not None for i in moved)
+    assert from_records == (0 if sm.guarded else 3 * sum(t[3].sub is None for t in trees))
