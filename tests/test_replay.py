@@ -474,9 +474,11 @@ def test_trees_one_move_from_a_base_replay_as_a_whole_replay_does(name, monkeypa
     the peaks (whole step, per segment, forward) that replay_blocks gives, also where a cap stops both. Moves in
     the last block, and every tree of a model whose buffers the guard copies (the DenseNet block's BatchNorm),
     are replayed whole."""
+    from fxplan import replay as replay_module
     from fxplan.replay import AboveCap, NearReplays, replay_blocks
     from fxplan.subplans import Block
 
+    monkeypatch.setattr(replay_module, "NEAR_MIN_BLOCKS", 4)  # these bases have four blocks
     if name == "mlp":
         model, inputs = _ResidualMLP(), (torch.randn(4, 8, 16),)
     else:
