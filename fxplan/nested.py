@@ -29,11 +29,11 @@ batch 8, 224²: from Chen's √n plan, 413.9 MiB to 362.9, where a move had to g
 Moves are generated in order of the base plan's replayed per-segment peaks (segments whose backward is
 near the peak first), at most ``MOVES_PER_ROUND`` per round. Each is replayed (:func:`fxplan.replay.replay`
 follows nested plans too; a move inside one checkpointed top-level block of a plan of many, from the recorded
-replay of the tree it moves: :class:`fxplan.replay.NearReplays`) and they are measured lowest replayed peak first (equal peaks: least
-recomputation first), only while the replayed peak is within ``TOLERANCE`` of the measured peak to beat and
-predicts a gain (``RELATIVE_TOLERANCE``), and until ``PATIENCE`` in a row have not lowered the round's
-best, at most ``MEASUREMENTS`` measurements per starting plan (fewer on large graphs), so planning time
-stays bounded on graphs with many segments.
+replay of the tree it moves: :class:`fxplan.replay.NearReplays`) and they are measured lowest replayed peak
+first (equal peaks: least recomputation first), only while the replayed peak is within ``TOLERANCE`` of the
+measured peak to beat and predicts a gain (``RELATIVE_TOLERANCE``), and until ``PATIENCE`` in a row have not
+lowered the round's best, at most ``MEASUREMENTS`` measurements per starting plan (fewer on large graphs), so
+planning time stays bounded on graphs with many segments.
 
 Where the replay has predicted every plan measured so far to within ``fxplan.search.TRUST``, the search
 trusts it (``trusted``): moves are ranked by their replayed peaks alone, with the same rules and counts,

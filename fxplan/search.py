@@ -79,7 +79,7 @@ from fxplan.meter import PlanMeter
 from fxplan.nested import NestedResult, NestedSearch
 from fxplan.planning import check_choices, min_budget_bytes_graph, plan_graph, resident_bytes
 from fxplan.plans import Plan
-from fxplan.replay import AboveCap, NearReplays, Replay, StepModel, replay, replay_blocks, step_model
+from fxplan.replay import AboveCap, NearReplays, Replay, StepModel, replay, step_model
 from fxplan.subplans import Block
 
 logger = logging.getLogger("fxplan")
