@@ -210,6 +210,7 @@ class Search:
         self._by_replay: tuple[Candidate, Candidate] | None = None  # (start, lowest found): :meth:`_replayed_lowest`
         self._nested_candidates: dict[tuple, Candidate] = {}  # by plan: :meth:`_nested_candidate`
         self._misses = 0  # nested plans chosen by replay that measured above what they had to fit: _confirmed
+        self._vouching: list[Candidate] = []  # a nested plan measured in place of the canonical ones: _nested_first
 
     def _candidate(self, p: Plan, walk: bool) -> Candidate | None:
         """A new candidate for ``p`` (replayed when its peak is first asked for); None if a candidate has the same
@@ -343,15 +344,18 @@ class Search:
         :meth:`smallest`, or the lowest nested plan :mod:`fxplan.nested` finds from :meth:`_seeds`.
 
         The nested search trusts the replay (ranks its moves by replayed peaks, measuring none) where every
-        candidate measured so far replayed within ``TRUST``; the plan it finds is then measured, and if
+        candidate measured so far replayed within ``TRUST`` (where none is, the plan it finds may be measured first
+        and vouch for the replay itself: :meth:`_nested_first`); the plan it finds is then measured, and if
         the replay under-predicted it by more than ``TRUST``, the search is made again, measuring, unless by at
         most ``NESTED_SLACK`` with the plan still measuring below :meth:`smallest`'s: then it is kept at its
         measured peak."""
         if self._lowest is None:
+            self._lowest = self._nested_first()
+        if self._lowest is None:
             smallest = self.smallest()  # measures the candidates the replay is judged by
             trusted = self._trusted()
             self._lowest = self._replayed_lowest(smallest) if trusted else self._nested_search(smallest, False)
-            if self._lowest.measured is None:
+            if trusted and self._lowest is not smallest:  # a nested plan found by replay (measured by now or not)
                 found, m = self._lowest, self.measure(self._lowest)
                 if m is not None and m <= found.replayed * (1 + TRUST):
                     if m >= smallest.measured:  # replayed lower, measured not: within TRUST
@@ -363,6 +367,25 @@ class Search:
                     self._distrust(f"its nested plan measured {m} bytes, replayed {found.replayed}")
                     self._lowest = self._nested_search(smallest, False)
         return self._lowest
+
+    def _nested_first(self) -> Candidate | None:
+        """Where nothing is measured yet and the replay may be trusted, the lowest nested plan found by replay from
+        the least replayed canonical plan (:meth:`_replayed_lowest`), measured first. If it measures within ``TRUST``
+        of its replay and below what the canonical plans could measure were the replay as close on them (``TRUST``
+        below the least replayed), it is the lowest plan and vouches for the replay as a measured canonical plan
+        would (:meth:`measured_candidates`): a no-budget rewrite whose smallest plan is nested spends one fake step
+        less. Else None: :meth:`lowest` measures the canonical plans and judges this plan as before."""
+        if not self.trust_replay or self.measured_candidates():
+            return None
+        start = next(in_replay_order([*self._bottom(), *self.floor()], lambda c: False), None)
+        found = self._replayed_lowest(start) if start is not None else None
+        if found is None or found is start:
+            return None
+        m = self.measure(found)
+        if m is None or not replayed_within_trust([found]) or m >= start.replayed * (1 - TRUST):
+            return None
+        self._vouching.append(found)
+        return found
 
     def may_measure_at_most(self, bar: int) -> bool:
         """False if no plan of this search measures at most ``bar`` bytes, judged by the replay where nothing is
@@ -409,8 +432,9 @@ class Search:
         return self.trust_replay and replayed_within_trust(self.measured_candidates())
 
     def measured_candidates(self) -> list[Candidate]:
-        """The canonical candidates measured so far."""
-        return [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None]
+        """The candidates measured so far that the replay is judged by: the canonical ones, and a nested plan that
+        vouched for the replay in their place (:meth:`_nested_first`)."""
+        return [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None] + self._vouching
 
     def _distrust(self, why: str) -> None:
         """Forget the nested plans ranked by replay: from now on the nested search measures its moves."""

@@ -334,6 +334,29 @@ def test_trusting_the_replay_finds_the_same_plans_with_fewer_fake_steps():
     assert results[True][1] < results[False][1]
 
 
+def test_a_lowest_nested_plan_measured_first_vouches_for_the_replay_in_one_fake_step():
+    """With nothing measured, the lowest plan's search measures the nested plan it finds by replay first; within
+    TRUST of its replay and below every canonical replay, it is the lowest plan after one fake step, the same plan
+    (and the same choice without a budget) as where the canonical plan is measured first."""
+    from fxplan.search import Search
+    from fxplan.trace import trace
+
+    model = Chain(convs=5)
+    x = (torch.randn(16, 3, 32, 32),)
+    cg = trace(model, x)
+    first = Search(cg, model, x, solver="approx")
+    low = first.lowest()
+    assert low.plan.children and first.meter.steps == 1
+    assert [c for c in first.measured_candidates() if not c.plan.children] == []
+    canonical_first = Search(cg, model, x, solver="approx")
+    flat = canonical_first.smallest()
+    assert canonical_first.lowest().measured == low.measured < flat.measured
+    assert _shape(canonical_first.lowest().plan) == _shape(low.plan)
+    chosen = [s.choose(None, "time") for s in (first, canonical_first)]
+    assert [(_shape(c.plan), c.measured, c.recompute) for c in chosen][0] == \
+        [(_shape(c.plan), c.measured, c.recompute) for c in chosen][1]
+
+
 def _nested_replays_under(monkeypatch, fraction: float) -> None:
     """Make the search's replay predict nested plans ``fraction`` below their peak (replayed uncapped)."""
     from fxplan.search import Search
