@@ -664,7 +664,7 @@ class _Replayer:
             raise KeyError("buffer guards")
 
         def mapped(h):
-            return (h[0], blocks[h[1]]) if h[0] in _BLOCK_HOLDERS else h
+            return (h[0], blocks[h[1]]) if isinstance(h, tuple) and h[0] in _BLOCK_HOLDERS else h
 
         self.bytes, self.sid, self.grad, self.seen_params = dict(nbytes), dict(sid), dict(grad), set(seen)
         self.holders = {s: {mapped(h) for h in held} for s, held in holders.items()}
