@@ -395,9 +395,7 @@ class NestedSearch:
         """The replayed peak of ``blocks`` (0 without a replay); above ``cap``, a lower bound of it above ``cap``:
         a tree that cannot pass :meth:`_may_beat` need not be replayed to its end. ``base``: the tree ``blocks``
         is one move from, whose replay the move's may start from (:class:`fxplan.replay.NearReplays`)."""
-        if self.replayed is None:
-            return 0
-        return self.replayed(blocks, cap) if base is None else self.replayed(blocks, cap, base)
+        return 0 if self.replayed is None else self.replayed(blocks, cap, base)
 
     def _may_beat(self, predicted: int, bar: float, replayed_bar: float, gain: bool = False) -> bool:
         """False if a tree replayed at ``predicted`` cannot measure at most ``bar`` (a measured peak to beat,

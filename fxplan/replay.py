@@ -310,8 +310,13 @@ def replay_blocks(cg: CostGraph, sm: StepModel, blocks: list[Block], cap: int | 
 @dataclass
 class _Recorded:
     """A replay's state before each top-level block's forward and backward, and the peak while each block's forward
-    runs (:meth:`_Replayer.forward`)."""
+    runs (:meth:`_Replayer.forward`); for :class:`NearReplays`, the tree replayed, its replay, the rewriter's copies
+    of in-place ops and the forward's frees (:meth:`_Replayer._frees`) with it."""
 
+    blocks: list[Block]
+    replay: Replay | None = None
+    copies: set[str] = field(default_factory=set)
+    frees: dict[int, list[str]] = field(default_factory=dict)
     forward_states: dict[int, tuple] = field(default_factory=dict)
     forward_peaks: dict[int, int] = field(default_factory=dict)
     loss_peak: int = 0  # the peak while the loss runs, after the forward
@@ -343,8 +348,7 @@ class NearReplays:
 
     def __init__(self, cg: CostGraph, sm: StepModel):
         self.cg, self.sm = cg, sm
-        # the base tree, its replayer, replay, recorded states and forward frees
-        self._base: tuple[list[Block], _Replayer, Replay, _Recorded, dict[int, list[str]]] | None = None
+        self._base: _Recorded | None = None  # the last base tree's replay, recorded
 
     def replay(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> Replay | AboveCap:
         """:func:`replay_blocks` of ``blocks``, from ``base``'s recorded replay where ``blocks`` is one move from
@@ -353,15 +357,16 @@ class NearReplays:
         i = self._moved_block(base, blocks) if near else None
         if i is None:
             return replay_blocks(self.cg, self.sm, blocks, cap)
-        _, base_replayer, done, record, _ = self._base
+        record = self._recorded(base)
+        done = record.replay
         replayer = _Replayer(self.cg, self.sm, blocks, sys.maxsize if cap is None else cap)
-        if replayer.copies != base_replayer.copies:  # the rewriter's copies of in-place ops moved with the split
+        if replayer.copies != record.copies:  # the rewriter's copies of in-place ops moved with the split
             return replay_blocks(self.cg, self.sm, blocks, cap)
         ids = {id(a): id(b) for a, b in zip(base, blocks)}
         try:
             replayer.restore(record.forward_states[i], ids)
             replayer.peak = replayer.current
-            replayer.forward_block(blocks, i, self._frees_in(replayer, blocks[i]), ("val",), None, None,
+            replayer.forward_block(blocks, i, self._frees_in(replayer, blocks[i], record.frees), ("val",), None, None,
                                    set(self.sm.outputs))
             forward_peak = max(replayer.peak, record.loss_peak,
                                *(p for k, p in record.forward_peaks.items() if k != i))
@@ -378,29 +383,38 @@ class NearReplays:
         seg_peaks[i + 1:] = later
         return Replay(max(known, *seg_peaks[:i + 1]), seg_peaks, forward_peak)
 
-    def _frees_in(self, replayer: _Replayer, block: Block) -> dict[int, list[str]]:
+    @staticmethod
+    def _frees_in(replayer: _Replayer, block: Block, base_frees: dict[int, list[str]]) -> dict[int, list[str]]:
         """The forward's frees (:meth:`_Replayer._frees`) at the nodes of ``block``, a top-level block of
-        ``replayer``'s tree where it differs from the base: where the block's own values are freed depends on how
-        it is split, where the others' are (at the end of the block, or outside it) does not."""
+        ``replayer``'s tree where it differs from the base (whose frees are ``base_frees``): where the block's own
+        values are freed depends on how it is split, where the others' are (at the end of the block, or outside it)
+        does not."""
         names = subplans.nodes_of(block)
         inside, first, last = set(names), replayer.pos[names[0]], replayer.pos[names[-1]]
-        frees = {p: [v for v in values if v not in inside] for p, values in self._base[4].items() if first <= p <= last}
+        frees = {p: [v for v in values if v not in inside] for p, values in base_frees.items() if first <= p <= last}
         for p, values in replayer._frees(replayer.order, names).items():
             frees.setdefault(p, []).extend(values)
         return frees
 
-    def _moved_block(self, base: list[Block], blocks: list[Block]) -> int | None:
+    @staticmethod
+    def _moved_block(base: list[Block], blocks: list[Block]) -> int | None:
         """The one top-level block, run under checkpoint, of the same nodes, in which ``blocks`` differs from
-        ``base`` (whose replay is recorded first); None if there is no such block."""
+        ``base``; None if there is no such block."""
         if len(blocks) != len(base):
             return None
         moved = [k for k, (a, b) in enumerate(zip(base, blocks)) if a is not b and a != b]
         if len(moved) != 1 or moved[0] == len(blocks) - 1 or base[moved[0]].names != blocks[moved[0]].names:
             return None
-        if self._base is None or self._base[0] is not base:
-            replayer, record = _Replayer(self.cg, self.sm, base), _Recorded()
-            self._base = base, replayer, replayer.run(record), record, replayer._frees(replayer.order)
         return moved[0]
+
+    def _recorded(self, base: list[Block]) -> _Recorded:
+        """``base``'s replay with its states recorded (made once per base tree, the last one kept)."""
+        if self._base is None or self._base.blocks is not base:
+            replayer, record = _Replayer(self.cg, self.sm, base), _Recorded(base)
+            record.replay = replayer.run(record)
+            record.copies, record.frees = replayer.copies, replayer._frees(replayer.order)
+            self._base = record
+        return self._base
 
 
 @dataclass(frozen=True)
@@ -546,12 +560,11 @@ class _Replayer:
         runs (:class:`NearReplays`)."""
         frees, outputs = self._frees(self.order), set(self.sm.outputs)
         for i in range(len(self.blocks)):
-            if record is None:
-                self.forward_block(self.blocks, i, frees, ("val",), None, None, outputs)
-                continue
-            record.forward_states[i], before, self.peak = self.state(), self.peak, self.current
+            if record is not None:  # the peak while this block runs, kept apart from the running one
+                record.forward_states[i], before, self.peak = self.state(), self.peak, self.current
             self.forward_block(self.blocks, i, frees, ("val",), None, None, outputs)
-            record.forward_peaks[i], self.peak = self.peak, max(before, self.peak)
+            if record is not None:
+                record.forward_peaks[i], self.peak = self.peak, max(before, self.peak)
         if record is not None:
             record.loss_peak = self.current + self.sm.loss_peak
         self.peak = max(self.peak, self.current + self.sm.loss_peak)

@@ -499,7 +499,7 @@ def test_trees_one_move_from_a_base_replay_as_a_whole_replay_does(name, monkeypa
                 trees.append(tree)
     moved = []
     real_moved_block = NearReplays._moved_block
-    monkeypatch.setattr(NearReplays, "_moved_block", lambda self, *a: moved.append(real_moved_block(self, *a))
+    monkeypatch.setattr(NearReplays, "_moved_block", lambda self, *a: moved.append(real_moved_block(*a))
                         or moved[-1])
     near = NearReplays(cg, sm)
     for tree in trees:
