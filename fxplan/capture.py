@@ -40,11 +40,11 @@ from torch.utils import _pytree as pytree
 from fxplan import guards
 from fxplan.errors import TraceError
 from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.functions import ORIGINAL_APPLY, calls_of_functions, functions_as_ops
 from fxplan.guards import (
     check_hooks,
     checked_for_host_draws,
     checked_for_python_state,
-    custom_functions_refused,
     own_checkpoints,
     refuse_torchscript,
     replaced,
@@ -214,7 +214,7 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
             logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
             return export_after(model, call, fx_error)
 
-    with own_checkpoints() as seen, custom_functions_refused(model):
+    with own_checkpoints() as seen:
         captured = checked_for_host_draws(model, once)
     captured.checkpoints_itself |= bool(seen)
     return captured
@@ -224,7 +224,7 @@ def export_after(model: torch.nn.Module, call: ExampleCall, fx_error: TraceError
     """:func:`export_module` where symbolic_trace failed with ``fx_error`` (or gave a graph that does not
     run); a :class:`TraceError` naming both failures if export fails too."""
     try:
-        with own_checkpoints() as seen, tensor_hooks_refused(model), custom_functions_refused(model):
+        with own_checkpoints() as seen, tensor_hooks_refused(model):
             captured = checked_for_host_draws(model, lambda: export_module(model, call))
         captured.checkpoints_itself = bool(seen)
         return captured
@@ -338,13 +338,12 @@ class _LocatingTracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
         self.fxplan_modes = _grad_and_autocast_modes()
-        original = torch.autograd.Function.__dict__["apply"]
         functions: dict[type, str] = {}
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             if (f"{cls.__module__}.".startswith(guards.TRANSPARENT_FUNCTIONS)
                     or not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs)))):
-                return original.__get__(None, cls)(*args, **kwargs)
+                return ORIGINAL_APPLY.__get__(None, cls)(*args, **kwargs)
             # one node calling the function, so that its own backward runs (tracing into its forward loses it);
             # the class is an attribute of the root, which the capture keeps as a constant
             if cls not in functions:
@@ -459,6 +458,7 @@ def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
             name = f"_fxplan_constant_{len(constants)}"
             constants[name] = resolve_attr(exported, str(node.target))
             node.target = name
+    calls_of_functions(graph, constants)
     gm = owning_graph_module(model, graph, constants)
     gm.graph.lint()
     return _captured(model, gm, "torch.export", interface)
@@ -551,7 +551,8 @@ def _gives_position_ids(model: torch.nn.Module, args: tuple, kwargs: dict[str, A
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
     try:
         # no node's stack trace (fxplan reads none; recording them is about a sixth of the capture)
-        with _masks_as_in_eager(model, args, kwargs), replaced(fx.config, "do_not_emit_stack_traces", True):
+        with _masks_as_in_eager(model, args, kwargs), replaced(fx.config, "do_not_emit_stack_traces", True), \
+                functions_as_ops():
             return torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "not capturable"
         message = str(exc)

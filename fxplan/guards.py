@@ -8,8 +8,9 @@ the rewrite would differ from the model, or warned of where only a side effect w
   a region of the model's.
 - **Draws from numpy's or Python's global generator** (:func:`checked_for_host_draws`): a graph would repeat
   the numbers drawn while capturing.
-- **Hooks on tensors** (:func:`tensor_hooks_refused`) and **custom autograd functions**
-  (:func:`custom_functions_refused`), which torch.export records without their effect on the gradients.
+- **Hooks on tensors** (:func:`tensor_hooks_refused`), which torch.export records without their effect on the
+  gradients. (Custom autograd functions, which it would record the same way, are kept whole instead:
+  :mod:`fxplan.functions`.)
 - **TorchScript modules** (:func:`refuse_torchscript`), which fake tensors cannot run.
 """
 
@@ -278,32 +279,9 @@ def tensor_hooks_refused(model: torch.nn.Module) -> Iterator[None]:
                          "hook to plan the model")
 
 
-#: autograd.Function classes that a capture keeps whole or that change no gradient: torch.library custom ops'
-#: (torch.export records the op, whose registered autograd runs), and checkpoint's own (its backward recomputes).
+#: autograd.Function classes a capture may trace through: torch.library custom ops' (torch.export records the op,
+#: whose registered autograd runs), and checkpoint's own (its backward recomputes).
 TRANSPARENT_FUNCTIONS = ("torch.utils.checkpoint.", "torch._library.")
-
-
-@contextlib.contextmanager
-def custom_functions_refused(model: torch.nn.Module) -> Iterator[None]:
-    """Raise :class:`TraceError` if the block (a capture of ``model``) calls a ``torch.autograd.Function`` with a
-    backward of its own (a straight-through estimator, a gradient reversal, a fused kernel): both capturers trace
-    through its forward and lose its backward, so the gradients would differ."""
-    called: list[str] = []
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not f"{cls.__module__}.".startswith(TRANSPARENT_FUNCTIONS):
-            called.append(f"{cls.__module__}.{cls.__qualname__}")
-        return original.__get__(None, cls)(*args, **kwargs)
-
-    with replaced(torch.autograd.Function, "apply", classmethod(apply)):
-        yield
-    if called:
-        raise TraceError(
-            f"the forward of {type(model).__name__} calls {sorted(set(called))[0]}"
-            f"{' (and others)' if len(set(called)) > 1 else ''}, a torch.autograd.Function with a backward of its "
-            "own, which fxplan's capturers trace through without that backward, so the gradients would differ; "
-            "fxplan cannot plan such a model yet")
 
 
 def _same_state(a: Any, b: Any) -> bool:

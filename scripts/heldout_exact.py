@@ -97,6 +97,8 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
     "hf:gpt_neox": hf_model("GPTNeoXConfig", "GPTNeoXForCausalLM", **_DECODER),
     "hf:distilbert": hf_model("DistilBertConfig", "DistilBertForMaskedLM", dim=64, n_layers=2, n_heads=4,
                               hidden_dim=128),
+    # its MLP's GELU is a torch.autograd.Function with a backward of its own (fxplan.functions)
+    "hf:bloom": hf_model("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4),
 }
 
 

@@ -453,18 +453,59 @@ class _WithOwnBackward(_Chain):
         return _ReverseGradient.apply(x) if i == 2 else x
 
 
-def test_an_autograd_function_with_its_own_backward_is_called_or_refused():
-    """symbolic_trace's graph calls a custom autograd.Function as one node, so its own backward runs (a gradient
-    reversal: exact at two budgets, and the module pickles); torch.export traces through its forward and loses
-    its backward (the gradients came back with the wrong sign): refused, naming the function."""
-    x = torch.randn(64, 16)
-    optimized = assert_rewrite_exact_at_two_budgets(_WithOwnBackward(traceable=True), (x,))
+@pytest.mark.parametrize("traceable", [True, False], ids=["symbolic_trace", "torch.export"])
+def test_an_autograd_function_with_its_own_backward_is_called_by_the_graph(traceable):
+    """Both capturers' graphs call a custom autograd.Function as one node, so its own backward runs: a gradient
+    reversal (a view of its input, the gradient's sign flipped) is exact at two budgets, and the module pickles.
+    torch.export alone traces through the forward and loses the backward (the gradients came back with the wrong
+    sign before fxplan.functions)."""
+    x, model = torch.randn(64, 16), _WithOwnBackward(traceable)
+    assert "apply_function" in capture(model, (x,)).gm.code
+    optimized = assert_rewrite_exact_at_two_budgets(model, (x,))
     buffer = io.BytesIO()
     torch.save(optimized, buffer)
     buffer.seek(0)
     assert torch.equal(torch.load(buffer, weights_only=False)(x), optimized(x))
-    with pytest.raises(fxplan.TraceError, match="_ReverseGradient, a torch.autograd.Function"):
-        fxplan.rewrite(_WithOwnBackward(traceable=False), None, example_inputs=(x,))
+
+
+class _ScaledPair(torch.autograd.Function):
+    """Two outputs and constant arguments; its backward is not its forward's (a straight-through gradient for
+    the rounded output)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, offset):
+        ctx.scale = scale
+        return torch.round(x * scale) + offset, x * 2
+
+    @staticmethod
+    def backward(ctx, g_round, g_double):
+        return g_round * ctx.scale + 2 * g_double, None, None
+
+
+class _WithPairs(_Chain):
+    def __init__(self, scale):
+        super().__init__(16, 6, traceable=False)
+        self.scale = scale
+
+    def after(self, i, x):
+        if i not in (1, 3):
+            return x
+        rounded, doubled = _ScaledPair.apply(x, self.scale, 0.5)
+        return rounded + doubled
+
+
+def test_an_exported_autograd_function_keeps_its_constants_and_outputs():
+    """The exported graph calls the function with its constant arguments and unpacks its two outputs:
+    exact at two budgets (the rounding's own gradient is zero: only the function's backward passes any)."""
+    model, x = _WithPairs(4.0), torch.randn(64, 16)
+    assert capture(model, (x,)).gm.code.count("apply_function_flat") == 2
+    assert_rewrite_exact_at_two_budgets(model, (x,))
+
+
+def test_an_exported_autograd_function_with_an_argument_fxplan_cannot_record_is_refused():
+    """A constant a graph node cannot hold as text (here a tensor dtype) is refused, naming the function."""
+    with pytest.raises(fxplan.TraceError, match="_ScaledPair.*dtype"):
+        fxplan.rewrite(_WithPairs(torch.float32), None, example_inputs=(torch.randn(64, 16),))
 
 
 def test_torchscript_modules_are_refused_by_name():
