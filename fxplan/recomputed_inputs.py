@@ -214,12 +214,19 @@ class _Handle:
         return self.group.value(self.index, self.view)
 
 
+def plain_ops_only(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` must run as the model's plain ops, not as a unit or region: grad off, autocast on
+    for ``x``'s device (a device autocast does not know, such as ``meta``, has none) or functorch active."""
+    device = x.device.type
+    return not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active() \
+        or (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device))
+
+
 def call_recomputing(op, args: tuple, kwargs: dict, recipe: Recipe, inputs: tuple, dropped: tuple) -> Any:
     """``op(*args, **kwargs)``, keeping for its backward, in place of the tensors ``dropped`` (and views of
     them), ``inputs``, from which ``recipe`` makes them again there (module docstring)."""
     first = dropped[0]
-    if isinstance(first, fx.Proxy) or not torch.is_grad_enabled() or torch.is_autocast_enabled(first.device.type) \
-            or torch._C._are_functorch_transforms_active() or not _hooks_allowed():
+    if isinstance(first, fx.Proxy) or plain_ops_only(first) or not _hooks_allowed():
         return op(*args, **kwargs)
     storages = {d.untyped_storage()._cdata: i for i, d in enumerate(dropped)}
     layouts = [(tuple(d.shape), d.stride(), d.storage_offset()) for d in dropped]

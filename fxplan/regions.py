@@ -38,7 +38,7 @@ from fxplan.capture import Captured, owning_graph_module
 from fxplan.costgraph import CostGraph
 from fxplan.effects import alias_roots, mutated_arg
 from fxplan.errors import FxplanError
-from fxplan.recomputed_inputs import PREFIX, Unit, find_units, parse_checked, saver_node
+from fxplan.recomputed_inputs import PREFIX, Unit, find_units, parse_checked, plain_ops_only, saver_node
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -255,8 +255,7 @@ def conv_of_recomputed_region(conv: nn.Module, norm: nn.Module, cat_dim: int | N
     x0 = inputs[0]
     if isinstance(x0, fx.Proxy):  # traced again (torch.load re-traces a GraphModule's code): one node again
         return _traced_again(x0.tracer, conv, norm, cat_dim, inputs)
-    if not torch.is_grad_enabled() or torch.is_autocast_enabled(x0.device.type) \
-            or torch._C._are_functorch_transforms_active() or x0.dim() != conv.weight.dim():
+    if plain_ops_only(x0) or x0.dim() != conv.weight.dim():
         return conv(F.relu(norm(_joined(inputs, cat_dim)), inplace=True))
     return _RecomputedRegion.apply(conv, norm, cat_dim, conv.weight, conv.bias, norm.weight, norm.bias, *inputs)
 

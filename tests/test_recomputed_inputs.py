@@ -328,3 +328,21 @@ def test_where_saved_tensor_hooks_are_disabled_the_saver_runs_as_in_the_model():
     expected = _leaves()
     F.linear(F.layer_norm(expected[0], (16,), expected[1], expected[2]), expected[3]).pow(2).sum().backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(expected, [x, weight, bias, w]))
+
+
+def test_a_model_built_on_meta_is_planned_with_its_units(caplog):
+    """Whether a unit runs plainly asked autocast about the tensors' device, and autocast raises for ``meta``
+    ("unknown device type for autocast"): a Llama built on ``meta`` (as Llama-2-7B's shape is planned) was
+    planned without units, with a warning. Autocast has no state on ``meta``, so the units run there."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=128)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, 200, (2, 32))
+    with caplog.at_level("WARNING", logger="fxplan"):
+        opt = fxplan.rewrite(model, None, example_inputs={"input_ids": ids, "labels": ids},
+                             loss_fn=lambda out: out.loss)
+    assert "failed" not in caplog.text
+    assert any(r.startswith(PREFIX) for r in opt.fxplan_plan.regions)
