@@ -7,9 +7,10 @@ hard-swish, squeeze-excitation; batch 4, 64x64) and ``hf:qwen2`` (a 2-layer Qwen
 grouped-query attention, hidden size 32, batch 2 of 16 tokens, its own loss), ``hf:gpt2`` (2 layers, width 64,
 dropout 0.1 in attention and MLP, batch 2 of 32 tokens, its own loss). Each is rewritten with no
 budget (the smallest peak) and at the middle of its budget range (``--fractions``: at those fractions of vanilla's
-peak instead; the models below ``hf:gpt2`` in ``MODELS`` get units of recomputed inputs at 0.9 and 0.75); for
-each plan: the user's model is
-unchanged by planning, outputs, every parameter gradient and every buffer are bitwise equal to the
+peak instead; the models below ``hf:gpt2`` in ``MODELS`` get units of recomputed inputs at 0.9 and 0.75). The
+models below ``hf:bloom`` are session 34's sweep of 50 architectures (timm at batch 2, Hugging Face at 2 layers and
+width 64 where the config allows); all of ``MODELS`` takes about 25 minutes on the 2-core CPU. For each plan: the
+user's model is unchanged by planning, outputs, every parameter gradient and every buffer are bitwise equal to the
 original's over two training steps and in eval mode, the measured peak is within the budget (fake and
 real tensors), and the rewritten module's ``state_dict`` loads back into a fresh original.
 """
@@ -99,6 +100,51 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
                               hidden_dim=128),
     # its MLP's GELU is a torch.autograd.Function with a backward of its own (fxplan.functions)
     "hf:bloom": hf_model("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4),
+    # session 34's sweep of architectures tried nowhere else (docs/rewrite.md, "Models beyond the named ones")
+    "hf:gptj": hf_model("GPTJConfig", "GPTJForCausalLM", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64),
+    "hf:gpt_bigcode": hf_model("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=64, n_layer=2, n_head=4,
+                               n_positions=64),
+    "hf:mpt": hf_model("MptConfig", "MptForCausalLM", d_model=64, n_layers=2, n_heads=4),
+    "hf:phi3": hf_model("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, **_DECODER),
+    "hf:stablelm": hf_model("StableLmConfig", "StableLmForCausalLM", num_key_value_heads=4, **_DECODER),
+    "hf:starcoder2": hf_model("Starcoder2Config", "Starcoder2ForCausalLM", num_key_value_heads=2, **_DECODER),
+    "hf:gemma": hf_model("GemmaConfig", "GemmaForCausalLM", head_dim=16, num_key_value_heads=4, **_DECODER),
+    "hf:llama": hf_model("LlamaConfig", "LlamaForCausalLM", **_DECODER),
+    "hf:olmo": hf_model("OlmoConfig", "OlmoForCausalLM", **_DECODER),
+    "hf:falcon": hf_model("FalconConfig", "FalconForCausalLM", hidden_size=64, num_hidden_layers=2,
+                          num_attention_heads=4),
+    "hf:opt": hf_model("OPTConfig", "OPTForCausalLM", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       ffn_dim=128, word_embed_proj_dim=64),
+    "hf:codegen": hf_model("CodeGenConfig", "CodeGenForCausalLM", n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                           n_positions=64),
+    "hf:xlnet": hf_model("XLNetConfig", "XLNetLMHeadModel", d_model=64, n_layer=2, n_head=4, d_inner=128),
+    "hf:qwen2_moe": hf_model("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_key_value_heads=2, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                             **_DECODER),
+    "hf:mixtral": hf_model("MixtralConfig", "MixtralForCausalLM", num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, **_DECODER),
+    "hf:t5": hf_model("T5Config", "T5ForConditionalGeneration", d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                      num_heads=4, decoder_start_token_id=0),
+    "hf:bart": hf_model("BartConfig", "BartForConditionalGeneration", d_model=64, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                        decoder_ffn_dim=128),
+    "hf:albert": hf_model("AlbertConfig", "AlbertForMaskedLM", embedding_size=32, **_DECODER),
+    "hf:mobilebert": hf_model("MobileBertConfig", "MobileBertForMaskedLM", hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=128, embedding_size=32,
+                              intra_bottleneck_size=32, true_hidden_size=32),
+    "hf:squeezebert": hf_model("SqueezeBertConfig", "SqueezeBertForMaskedLM", embedding_size=64, **_DECODER),
+    "hf:roberta": hf_model("RobertaConfig", "RobertaForMaskedLM", **_DECODER),
+    "hf:deberta_v2": hf_model("DebertaV2Config", "DebertaV2ForMaskedLM", **_DECODER),
+    "hf:electra": hf_model("ElectraConfig", "ElectraForMaskedLM", embedding_size=32, **_DECODER),
+    "hf:funnel": hf_model("FunnelConfig", "FunnelForMaskedLM", d_model=64, n_head=4, d_head=16, d_inner=128,
+                          block_sizes=[1, 1]),
+    **{f"timm:{name}": timm_model(name, 2, size) for name, size in [
+        ("xcit_nano_12_p16_224", 224), ("pvt_v2_b0", 128), ("mobilevit_xxs", 128), ("poolformer_s12", 96),
+        ("resnest14d", 96), ("regnetx_002", 96), ("ghostnet_100", 96), ("repvgg_a0", 96), ("dla34", 96),
+        ("rexnet_100", 96), ("fastvit_t8", 128), ("edgenext_xx_small", 128), ("mobileone_s0", 96),
+        ("hgnetv2_b0", 96), ("mambaout_femto", 96), ("skresnet18", 96), ("res2net50_14w_8s", 96), ("mixnet_s", 96),
+        ("convit_tiny", 224), ("pit_ti_224", 224), ("efficientvit_b0", 128), ("sequencer2d_s", 224),
+        ("cait_xxs24_224", 224), ("eva02_tiny_patch14_224", 224), ("coat_lite_tiny", 224), ("gcvit_xxtiny", 224)]},
 }
 
 
