@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from fxplan import guards
 from fxplan.errors import TraceError
-from fxplan.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.fakes import caches_kept_real, fake_copy, fake_mode_of, to_fake
 from fxplan.functions import ORIGINAL_APPLY, calls_of_functions, functions_as_ops
 from fxplan.guards import (
     check_hooks,
@@ -192,6 +192,7 @@ def _captured(model: torch.nn.Module, gm: fx.GraphModule, method: str, interface
     return Captured(gm, method, interface)
 
 
+@caches_kept_real()
 def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
     """Capture ``model`` for the call ``example_inputs`` (real or fake tensors); the model is not changed.
 

@@ -6,8 +6,11 @@ Shared by :mod:`fxplan.measure`, :mod:`fxplan.trace`, :mod:`fxplan.replay` and :
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+import functools
+import gc
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +23,37 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_leaves
 
 from fxplan.errors import FxplanError
+
+_kept_real_depth = 0
+
+
+@contextlib.contextmanager
+def caches_kept_real() -> Iterator[None]:
+    """On the way out, clear every ``functools.lru_cache`` that gained entries inside the block.
+
+    fxplan runs the model's Python on fake tensors, and a cache outside the model (a static method under
+    ``lru_cache``, as Hugging Face's BEiT makes its relative position index) would keep a fake tensor made
+    there and hand it to the user's next real step. A cache is pure by contract, so clearing it is safe.
+    Only the outermost block looks (scanning the heap costs ~0.1 s).
+    """
+    global _kept_real_depth
+    if _kept_real_depth:
+        yield
+        return
+    misses = {id(cache): (cache, cache.cache_info().misses) for cache in _lru_caches()}
+    _kept_real_depth += 1
+    try:
+        yield
+    finally:
+        _kept_real_depth -= 1
+        for cache in _lru_caches():
+            before = misses.get(id(cache))
+            if before is None or before[1] != cache.cache_info().misses:
+                cache.cache_clear()
+
+
+def _lru_caches() -> list[functools._lru_cache_wrapper]:
+    return [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]  # type(): no proxy runs
 
 
 def has_fake(model: torch.nn.Module, inputs) -> bool:

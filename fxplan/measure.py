@@ -29,6 +29,7 @@ from fxplan.capture import as_call
 from fxplan.errors import FxplanError
 from fxplan.fakes import (
     DATA_DEPENDENT,
+    caches_kept_real,
     data_dependent_error,
     fake_copy,
     fake_mode_of,
@@ -212,7 +213,8 @@ def measure_step(
         raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
     fake_mode = fake_mode_of(model, inputs) if fake or has_fake(model, inputs) else None
     if fake_mode is not None:
-        return measure_fake(fake_copy(model, fake_mode), to_fake(inputs, fake_mode), fake_mode, loss_fn, timeline)
+        with caches_kept_real():
+            return measure_fake(fake_copy(model, fake_mode), to_fake(inputs, fake_mode), fake_mode, loss_fn, timeline)
     device = device_of(model, inputs)
     if device.type == "cuda":
         return cuda_step_stats(real_copy(model), inputs, loss_fn, device)

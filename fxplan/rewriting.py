@@ -22,6 +22,7 @@ from fxplan.capture import Captured, ExampleCall, capture, symbolic_trace_module
 from fxplan.codegen import SegmentedModule, segment_module
 from fxplan.costgraph import CostGraph
 from fxplan.errors import FxplanError
+from fxplan.fakes import caches_kept_real
 from fxplan.measure import GiB, measure_step
 from fxplan.planning import budget_to_bytes, check_choices
 from fxplan.plans import Plan
@@ -32,6 +33,7 @@ from fxplan.variants import Searches
 logger = logging.getLogger("fxplan")
 
 
+@caches_kept_real()
 def rewrite(
     model: torch.nn.Module,
     budget_gb: float | None = None,
@@ -102,6 +104,7 @@ def plan(
     return module.fxplan_plan
 
 
+@caches_kept_real()
 @collector.spared()
 def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, solver: str = "approx",
                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
@@ -135,6 +138,7 @@ def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int 
     return budget_bytes
 
 
+@caches_kept_real()
 @collector.spared()
 def fit_budget(
     model: torch.nn.Module,

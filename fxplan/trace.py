@@ -57,7 +57,7 @@ from fxplan.capture import Captured, ExampleCall, as_call, capture, export_after
 from fxplan.costgraph import CostGraph
 from fxplan.effects import mutated_position, ordering_edges
 from fxplan.errors import FxplanError, TraceError
-from fxplan.fakes import DATA_DEPENDENT, data_dependent_error, fake_copy, fake_mode_of, to_fake
+from fxplan.fakes import DATA_DEPENDENT, caches_kept_real, data_dependent_error, fake_copy, fake_mode_of, to_fake
 from fxplan.measure import fresh_autocast_cache
 from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
 from fxplan.recomputed_inputs import Recipe, Unit, call_recomputing
@@ -87,6 +87,7 @@ _MODULE_KINDS = {
 COST_MODELS = ("roofline", "measured", "flops", "paper")
 
 
+@caches_kept_real()
 def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roofline",
           captured: Captured | None = None, probe_units: bool = False) -> CostGraph:
     """Capture ``model`` and propagate ``example_inputs`` (real or fake) into a cost graph.

@@ -150,8 +150,8 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
 
 def on(device: torch.device, model: torch.nn.Module, inputs: Any) -> tuple[torch.nn.Module, Any]:
     """The model and its inputs moved to ``device``."""
-    moved = {k: v.to(device) for k, v in inputs.items()} if isinstance(inputs, dict) else \
-        tuple(t.to(device) for t in inputs)
+    moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()} \
+        if isinstance(inputs, dict) else tuple(t.to(device) for t in inputs)
     return model.to(device), moved
 
 

@@ -11,6 +11,7 @@ peak within the budget). Configs are tiny so that each model takes seconds.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import random
 
@@ -650,3 +651,38 @@ def test_weight_norm_kept_as_a_computed_tensor_is_refused_and_its_parametrizatio
     model = nn.Sequential(weight_norm(nn.Linear(16, 16)), nn.ReLU(), spectral_norm(nn.Linear(16, 16)), nn.ReLU(),
                           nn.Linear(16, 4))
     assert_rewrite_exact_at_two_budgets(model, (x,))
+
+
+class _CachedTable(nn.Module):
+    """Adds a table that a ``functools.lru_cache`` outside the module makes once per size, as Hugging Face's BEiT
+    makes its relative position index."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4)
+    def table(rows: int) -> torch.Tensor:
+        return torch.arange(rows * 8, dtype=torch.float32).view(rows, 8)
+
+    def forward(self, x):
+        if x.dim() != 2:  # control flow symbolic_trace cannot follow: captured by torch.export, on fake tensors
+            raise ValueError("rows of 8 features expected")
+        return torch.relu(self.fc(x)) * self.table(4)
+
+
+@pytest.mark.parametrize("plan_with", ["measure_step", "rewrite"])
+def test_a_cache_outside_the_model_keeps_no_fake_tensor(plan_with):
+    """A fake step filled the cache with a fake tensor, and the user's next real step computed on it (BEiT: a
+    real forward returned a fake loss). A cache that gained entries while fxplan ran is cleared on the way out."""
+    torch.manual_seed(0)
+    model, x = _CachedTable(), torch.randn(4, 8)
+    _CachedTable.table.cache_clear()
+    if plan_with == "measure_step":
+        fxplan.measure_step(model, (x,), fake=True)
+    else:
+        assert_rewrite_exact(model, (x,), None)
+    out = model(x)
+    assert type(out) is torch.Tensor
+    assert torch.equal(out, torch.relu(model.fc(x)) * torch.arange(32.0).view(4, 8))
