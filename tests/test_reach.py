@@ -246,11 +246,16 @@ class _MaskedRead(nn.Module):
 def test_a_data_dependent_op_is_refused_saying_what_to_change(model):
     """Fake tensors hold no values, so an op whose output size depends on them (nonzero, behind a boolean mask)
     cannot run in fxplan's fake steps, in the forward the trace runs or the backward the meter runs: an
-    FxplanError says so and what to write instead, not the fake-tensor exception."""
+    FxplanError says so and what to write instead, not the fake-tensor exception; a fake step of the model's own
+    code says at which of its lines (Wav2Vec2ForCTC's check of its labels), autograd's backward has none."""
     inputs = (torch.randn(2, 4, 8), torch.tensor([[True, False, True, False]] * 2))
     model(*inputs).sum().backward()  # runs on real tensors
     with pytest.raises(fxplan.FxplanError, match="torch.where"):
         fxplan.rewrite(model, None, example_inputs=inputs)
+    with pytest.raises(fxplan.FxplanError, match="torch.where") as info:
+        fxplan.measure_step(model, inputs, fake=True)
+    located = "test_reach.py:" in str(info.value) and "self.a(x)[mask].sum()" in str(info.value)
+    assert located == isinstance(model, _MaskedRead)
 
 
 class _NumpyMask(nn.Module):
