@@ -8,8 +8,9 @@ grouped-query attention, hidden size 32, batch 2 of 16 tokens, its own loss), ``
 dropout 0.1 in attention and MLP, batch 2 of 32 tokens, its own loss). Each is rewritten with no
 budget (the smallest peak) and at the middle of its budget range (``--fractions``: at those fractions of vanilla's
 peak instead; the models below ``hf:gpt2`` in ``MODELS`` get units of recomputed inputs at 0.9 and 0.75). The
-models below ``hf:bloom`` are session 34's sweep of 50 architectures (timm at batch 2, Hugging Face at 2 layers and
-width 64 where the config allows); all of ``MODELS`` takes about 25 minutes on the 2-core CPU. For each plan: the
+models below ``hf:bloom`` are session 34's sweeps: 50 architectures (timm at batch 2, Hugging Face at 2 layers and
+width 64 where the config allows), then 11 Hugging Face vision, speech and image-text models from ``hf:vit`` on;
+all of ``MODELS`` takes about 30 minutes on the 2-core CPU. For each plan: the
 user's model is unchanged by planning, outputs, every parameter gradient and every buffer are bitwise equal to the
 original's over two training steps and in eval mode, the measured peak is within the budget (fake and
 real tensors), and the rewritten module's ``state_dict`` loads back into a fresh original.
@@ -84,6 +85,63 @@ def hf_model(config: str, model_class: str, **sizes: Any) -> Callable[[], tuple[
     return make
 
 
+def hf_vision(config: str, model_class: str, batch: int, size: int,
+              **sizes: Any) -> Callable[[], tuple[torch.nn.Module, Any]]:
+    """A Hugging Face image classifier from ``config`` (random init, 2 labels) on ``batch`` images of ``size``²."""
+    def make() -> tuple[torch.nn.Module, Any]:
+        import transformers
+
+        torch.manual_seed(0)
+        model = getattr(transformers, model_class)(getattr(transformers, config)(num_labels=2, **sizes))
+        pixels = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+        labels = torch.randint(0, 2, (batch,), generator=torch.Generator().manual_seed(2))
+        return model, {"pixel_values": pixels, "labels": labels}
+
+    return make
+
+
+def clip() -> tuple[torch.nn.Module, Any]:
+    """CLIP's contrastive loss over 8 captions of 64 tokens and 8 images of 64², 2 layers of width 64 each side."""
+    import transformers
+
+    torch.manual_seed(0)
+    tower = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    config = transformers.CLIPConfig(text_config=dict(vocab_size=200, max_position_embeddings=64, **tower),
+                                     vision_config=dict(image_size=64, patch_size=4, **tower), projection_dim=32)
+    ids = torch.randint(0, 200, (8, 64), generator=torch.Generator().manual_seed(1))
+    pixels = torch.randn(8, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    return transformers.CLIPModel(config), {"input_ids": ids, "pixel_values": pixels, "return_loss": True}
+
+
+def whisper() -> tuple[torch.nn.Module, Any]:
+    """Whisper (2 + 2 layers, width 64) on 2 clips of 16 mel bins x 64 frames, 10 label tokens each."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=200, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=32,
+        max_target_positions=32, decoder_start_token_id=1, pad_token_id=0)
+    features = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(2, 200, (2, 10), generator=torch.Generator().manual_seed(2))
+    return transformers.WhisperForConditionalGeneration(config), {"input_features": features, "labels": labels}
+
+
+def segformer() -> tuple[torch.nn.Module, Any]:
+    """SegFormer (2 stages) segmenting 2 images of 64² into 3 classes, with its own loss."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], num_attention_heads=[1, 2],
+        patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=3)
+    pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 3, (2, 64, 64), generator=torch.Generator().manual_seed(2))
+    return transformers.SegformerForSemanticSegmentation(config), {"pixel_values": pixels, "labels": labels}
+
+
+_ENCODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=64,
+                patch_size=4)
 _DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
@@ -145,6 +203,21 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
         ("hgnetv2_b0", 96), ("mambaout_femto", 96), ("skresnet18", 96), ("res2net50_14w_8s", 96), ("mixnet_s", 96),
         ("convit_tiny", 224), ("pit_ti_224", 224), ("efficientvit_b0", 128), ("sequencer2d_s", 224),
         ("cait_xxs24_224", 224), ("eva02_tiny_patch14_224", 224), ("coat_lite_tiny", 224), ("gcvit_xxtiny", 224)]},
+    "hf:vit": hf_vision("ViTConfig", "ViTForImageClassification", 8, 64, **_ENCODER),
+    "hf:deit": hf_vision("DeiTConfig", "DeiTForImageClassification", 8, 64, **_ENCODER),
+    # its relative position index comes from an lru_cache outside the model (fxplan.fakes.caches_kept_real)
+    "hf:beit": hf_vision("BeitConfig", "BeitForImageClassification", 8, 64, use_relative_position_bias=True,
+                         **_ENCODER),
+    "hf:dinov2": hf_vision("Dinov2Config", "Dinov2ForImageClassification", 8, 64, **_ENCODER),
+    "hf:swin": hf_vision("SwinConfig", "SwinForImageClassification", 8, 64, embed_dim=16, depths=[1, 1],
+                         num_heads=[1, 2], window_size=4, image_size=64, patch_size=4),
+    "hf:convnext": hf_vision("ConvNextConfig", "ConvNextForImageClassification", 8, 64, hidden_sizes=[16, 32],
+                             depths=[1, 1], num_stages=2),
+    "hf:resnet": hf_vision("ResNetConfig", "ResNetForImageClassification", 8, 64, embedding_size=16,
+                           hidden_sizes=[16, 32], depths=[1, 1]),
+    "hf:mobilevit": hf_vision("MobileViTConfig", "MobileViTForImageClassification", 8, 64, image_size=64,
+                              hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64]),
+    "hf:segformer": segformer, "hf:whisper": whisper, "hf:clip": clip,
 }
 
 
