@@ -11,6 +11,7 @@ import copy
 import functools
 import gc
 import os
+import sys
 import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,6 +28,8 @@ from torch.utils._pytree import tree_leaves
 from fxplan.errors import FxplanError
 
 _kept_real_depth = 0
+_LEFT_ALONE = frozenset(sys.stdlib_module_names) | {"fxplan", "torch", "torchgen", "triton", "sympy", "numpy",
+                                                    "networkx"}
 
 
 @contextlib.contextmanager
@@ -35,8 +38,10 @@ def caches_kept_real() -> Iterator[None]:
 
     fxplan runs the model's Python on fake tensors, and a cache outside the model (a static method under
     ``lru_cache``, as Hugging Face's BEiT makes its relative position index) would keep a fake tensor made
-    there and hand it to the user's next real step. A cache is pure by contract, so clearing it is safe.
-    Only the outermost block looks (scanning the heap costs ~0.1 s).
+    there and hand it to the user's next real step. A cache is pure by contract, so clearing it is safe; those of
+    fxplan, torch, the standard library and the libraries torch computes with are left alone (they keep no model's
+    tensors, and some hand out objects whose identity matters). Only the outermost block looks (scanning the heap
+    costs ~0.1 s).
     """
     global _kept_real_depth
     if _kept_real_depth:
@@ -55,7 +60,9 @@ def caches_kept_real() -> Iterator[None]:
 
 
 def _lru_caches() -> list[functools._lru_cache_wrapper]:
-    return [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]  # type(): no proxy runs
+    """The ``lru_cache`` wrappers alive outside the packages left alone."""
+    caches = [o for o in gc.get_objects() if type(o) is functools._lru_cache_wrapper]  # type(): no proxy runs
+    return [c for c in caches if (getattr(c, "__module__", None) or "").partition(".")[0] not in _LEFT_ALONE]
 
 
 def has_fake(model: torch.nn.Module, inputs) -> bool:
