@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from fxplan.errors import FxplanError
 
 _kept_real_depth = 0
+_scanned: list[functools._lru_cache_wrapper] = []  # the caches the last scan of caches_kept_real found
 _LEFT_ALONE = frozenset(sys.stdlib_module_names) | {"fxplan", "torch", "torchgen", "triton", "sympy", "numpy",
                                                     "networkx"}
 
@@ -40,22 +41,24 @@ def caches_kept_real() -> Iterator[None]:
     ``lru_cache``, as Hugging Face's BEiT makes its relative position index) would keep a fake tensor made
     there and hand it to the user's next real step. A cache is pure by contract, so clearing it is safe; those of
     fxplan, torch, the standard library and the libraries torch computes with are left alone (they keep no model's
-    tensors, and some hand out objects whose identity matters). Only the outermost block looks (scanning the heap
-    costs ~0.1 s).
+    tensors, and some hand out objects whose identity matters). Only the outermost block looks, and scans the heap
+    once, on the way out (~0.1 s): a cache the previous scan found is cleared if it missed since the way in, any
+    other if it holds entries.
     """
     global _kept_real_depth
     if _kept_real_depth:
         yield
         return
-    misses = {id(cache): (cache, cache.cache_info().misses) for cache in _lru_caches()}
+    misses = {id(cache): (cache, cache.cache_info().misses) for cache in _scanned}
     _kept_real_depth += 1
     try:
         yield
     finally:
         _kept_real_depth -= 1
-        for cache in _lru_caches():
-            before = misses.get(id(cache))
-            if before is None or before[1] != cache.cache_info().misses:
+        _scanned[:] = _lru_caches()
+        for cache in _scanned:
+            before, info = misses.get(id(cache)), cache.cache_info()
+            if info.currsize if before is None else info.misses != before[1]:
                 cache.cache_clear()
 
 
