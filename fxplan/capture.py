@@ -27,7 +27,6 @@ import contextlib
 import inspect
 import logging
 import sys
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from fxplan import guards
-from fxplan.errors import TraceError
+from fxplan.errors import TraceError, user_frame
 from fxplan.fakes import caches_kept_real, fake_copy, fake_mode_of, to_fake
 from fxplan.functions import ORIGINAL_APPLY, calls_of_functions, functions_as_ops
 from fxplan.guards import (
@@ -562,7 +561,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torc
                 else "object"
             raise _UnsupportedOutput(type_name) from exc
         raise TraceError(
-            f"{type(exc).__name__}: {_first_line(exc)}{_user_frame(exc, model)}. If this is data-dependent control "
+            f"{type(exc).__name__}: {_first_line(exc)}{user_frame(exc, model)}. If this is data-dependent control "
             "flow, write it with torch.cond or on values known before the call; if it is an op torch.export "
             "does not know, wrap it as a custom op (torch.library.custom_op)"
         ) from exc
@@ -581,32 +580,6 @@ def _drop_checks(graph: fx.Graph) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
-
-
-def _source_file(cls: type) -> str | None:
-    try:
-        return inspect.getsourcefile(cls)
-    except (TypeError, OSError):  # a class made in an interpreter session
-        return None
-
-
-def _user_frame(exc: BaseException, model: torch.nn.Module | None = None) -> str:
-    """`` at file:line (code)`` for the innermost frame in the source of ``model``'s module classes, else outside
-    torch, or ''. The exceptions ``exc`` was raised from count, not another capturer's failure it was raised
-    while handling (export's after symbolic_trace's)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    cause = exc.__cause__ or exc.__context__
-    while cause is not None and not isinstance(cause, TraceError):
-        frames += traceback.extract_tb(cause.__traceback__)
-        cause = cause.__cause__ or cause.__context__
-    # frames with source lines only: generated code (fx's, export's "<string>") has none to show
-    outside = [f for f in frames if "/torch/" not in f.filename and "/fxplan/" not in f.filename and f.line]
-    sources = {_source_file(type(m)) for m in model.modules()} if model is not None else set()
-    own = [f for f in outside if f.filename in sources]
-    if not (own or outside):
-        return ""
-    f = (own or outside)[-1]
-    return f" (at {f.filename}:{f.lineno}: {f.line})"
 
 
 # ----------------------------------------------------------------------------------------------

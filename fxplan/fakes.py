@@ -10,9 +10,7 @@ import contextlib
 import copy
 import functools
 import gc
-import os
 import sys
-import traceback
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -25,7 +23,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves
 
-from fxplan.errors import FxplanError
+from fxplan.errors import FxplanError, user_frame
 
 _kept_real_depth = 0
 _scanned: list[functools._lru_cache_wrapper] = []  # the caches the last scan of caches_kept_real found
@@ -219,25 +217,12 @@ def to_fake(inputs: Any, fake_mode: FakeTensorMode) -> Any:
 DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 
 
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, __file__))
-
-
-def _where(exc: Exception) -> str:
-    """`` (at FILE:LINE: code)``: the last frame of ``exc``'s traceback outside torch and fxplan (the model's
-    line that asked for a value), or nothing."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
-    if not frames:
-        return ""
-    frame = frames[-1]
-    return f" (at {frame.filename}:{frame.lineno}" + (f": {frame.line})" if frame.line else ")")
-
-
 def data_dependent_error(exc: Exception, what: str, error: type[FxplanError] = FxplanError) -> FxplanError:
     """The error to raise when ``what`` (a step, a graph's run) stopped at a data-dependent op (``exc``, one of
     :data:`DATA_DEPENDENT`): fxplan measures and plans on fake tensors, which hold no values."""
     op = getattr(exc, "func", None) or type(exc).__name__
     return error(
-        f"{what} cannot run on fake tensors{_where(exc)}: {op} makes an output whose size or value depends on the "
+        f"{what} cannot run on fake tensors{user_frame(exc)}: {op} makes an output whose size or value depends on the "
         "values of its inputs (a boolean-mask index or assignment, nonzero, .item(), ...), and fake tensors hold "
         "shapes, not values. fxplan measures and plans on fake tensors, so it cannot plan this model as written; an op "
         "of fixed output size in its place lets it (h[mask] = v -> torch.where(mask[..., None], v, h); a loss "
