@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from fxplan.console import Progress, format_table
+from fxplan.capture.fakes import FakeMode
+from fxplan.common.console import Progress, format_table
+from fxplan.compare.methods import DEFAULT_COMPILE_BUDGETS, DEFAULT_CURVE_POINTS
 from fxplan.errors import FxplanError, TraceError
-from fxplan.fakes import FakeMode
-from fxplan.measure import GiB, MiB, measure_step
-from fxplan.methods import DEFAULT_COMPILE_BUDGETS, DEFAULT_CURVE_POINTS
+from fxplan.measure.meter import GiB, MiB, measure_step
 
 MODEL_HELP = ("a zoo network (see 'fxplan zoo'), a torchvision builder name (e.g. mobilenet_v2), timm:NAME, "
               "or hf:NAME (a transformers config class or model type, e.g. hf:gpt2)")
@@ -85,7 +85,7 @@ def load_model(name: str, batch_size: int | None, input_size: int | None, *, rea
 
 def cmd_zoo(args: argparse.Namespace) -> int:
     import models_zoo
-    from fxplan.compare import describe_input
+    from fxplan.compare.driver import describe_input
 
     rows = []
     for name in models_zoo.names():
@@ -97,7 +97,7 @@ def cmd_zoo(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
 
     progress = Progress(args.quiet)
     entry, model, inputs = load_model(args.model, args.batch_size, args.input_size, real=args.real,
@@ -131,7 +131,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan, rewrite and measure, exactly as ``fxplan.rewrite`` does: one answer for one budget."""
-    from fxplan.rewriting import rewrite
+    from fxplan.api import rewrite
 
     progress = Progress(args.quiet)
     entry, model, inputs = load_model(args.model, args.batch_size, args.input_size, real=False,
@@ -161,9 +161,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Run the comparison, print the summary table, write the report; exit 1 if, on some network, none
     of the methods asked for (``--methods``; by default any method) worked."""
     import models_zoo
-    from fxplan.compare import compare_models
-    from fxplan.methods import default_methods, select_methods
-    from fxplan.report import summary_table, write_report
+    from fxplan.compare.driver import compare_models
+    from fxplan.compare.methods import default_methods, select_methods
+    from fxplan.compare.report import summary_table, write_report
 
     entries = models_zoo.resolve_all(args.models)
     methods = default_methods(args.compile_budgets, args.curve_points, exact=not args.no_exact)

@@ -7,7 +7,7 @@ core (one autograd graph for the whole sequence), the two-chunk scheme of the Py
 (forward the first half without autograd, back-propagate the second half, then recompute and
 back-propagate the first half), and ``fxplan.bptt.backward`` with policy MSM at several slot counts
 (hidden-state units; one internal state costs alpha units, measured). Synthetic tokens, dropout 0.5 in
-train mode. Peak memory is ``fxplan.measure.track_memory`` (live tensor storages on the CPU, parameters
+train mode. Peak memory is ``fxplan.measure.meter.track_memory`` (live tensor storages on the CPU, parameters
 and tokens included), time is a second, untracked run. Gradients of every row are checked against the
 unrolled plain row (same dropout masks: every row seeds the RNG the same way per time step).
 """
@@ -22,7 +22,7 @@ import torch
 
 import fxplan.bptt as bptt
 import models_zoo
-from fxplan.measure import track_memory
+from fxplan.measure.meter import track_memory
 from models_zoo.entry import synthetic_targets
 
 MiB = 1024**2

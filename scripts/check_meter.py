@@ -19,9 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models_zoo
 from fxplan.cli import positive_int
-from fxplan.console import filter_native_logs
+from fxplan.common.console import filter_native_logs
 from fxplan.errors import FxplanError
-from fxplan.measure import MiB, measure_step, measure_step_profiler
+from fxplan.measure.meter import MiB, measure_step, measure_step_profiler
 
 
 def scratch_at_peak(model, inputs, loss_fn) -> tuple[int, dict[str, int]]:

@@ -2,7 +2,7 @@
 
 Usage: python scripts/compile_recompute.py [NAME ...] [--batch-size N] [--input-size H] [--budget F]
 
-For each zoo name (default: densenet121, resnet50), the model is compiled as ``fxplan.peers.compile_peer``
+For each zoo name (default: densenet121, resnet50), the model is compiled as ``fxplan.compare.peers.compile_peer``
 compiles it (``aot_eager``, the min-cut partitioner, ``activation_memory_budget`` F), with the forward and
 backward graphs it runs captured. Printed per model: the ATen operators of the forward graph, and those
 of the backward graph that no incoming gradient reaches (forward work run again from saved values: the

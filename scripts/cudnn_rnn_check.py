@@ -1,7 +1,7 @@
 """On a CUDA device: what fxplan does with a model whose LSTM runs on cuDNN.
 
 cuDNN's RNN keeps a reserve buffer for backward that its fake kernel reports as 0 bytes, so fxplan refuses
-to plan it on fake tensors (:data:`fxplan.scratch.UNCOUNTABLE_ON_FAKE`). This script checks, on the device:
+to plan it on fake tensors (:data:`fxplan.measure.scratch.UNCOUNTABLE_ON_FAKE`). This script checks, on the device:
 
 1. with cuDNN on, ``fxplan.rewrite`` raises :class:`fxplan.FxplanError` naming the way out;
 2. with cuDNN off (the way out), the rewritten model's gradients equal the plain model's to the bit, and
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import fxplan
-from fxplan.measure import measure_step
+from fxplan.measure.meter import measure_step
 
 MiB = 2**20
 

@@ -3,8 +3,8 @@
 Usage: python scripts/derived_units.py [NAME ...]   (names of scripts/heldout_exact.py; default: all of them)
 
 For each model: the captured graph traced with ``probe_units=True``, the graph with every unit derived
-(``fxplan.splice.derived``) and traced (``fxplan.trace.trace`` of ``with_regions``), seconds of each; whether
-the two agree on every node's facts, the edges and the marks the rewriter reads, and on the gradient facts
+(``fxplan.planner.splice.derived``) and traced (``fxplan.costs.trace.trace`` of ``with_regions``), seconds of each;
+whether the two agree on every node's facts, the edges and the marks the rewriter reads, and on the gradient facts
 (the derived graph takes the captured graph's: docs/rewrite.md); then, for three plans of each graph (no
 segment, two segments cut at a third and at half of the nodes), the replayed peak against the peak measured on
 fake tensors, bytes.
@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from heldout_exact import MODELS  # noqa: E402
 
-from fxplan import splice  # noqa: E402
-from fxplan.meter import PlanMeter  # noqa: E402
-from fxplan.recomputed_inputs import Unit  # noqa: E402
-from fxplan.regions import regions_of, with_regions  # noqa: E402
-from fxplan.replay import replay, step_model  # noqa: E402
-from fxplan.trace import trace  # noqa: E402
+from fxplan.capture.regions import regions_of, with_regions  # noqa: E402
+from fxplan.costs.trace import trace  # noqa: E402
+from fxplan.planner import splice  # noqa: E402
+from fxplan.planner.plan_meter import PlanMeter  # noqa: E402
+from fxplan.planner.replay import replay, step_model  # noqa: E402
+from fxplan.solvers.units import Unit  # noqa: E402
 
 
 def timed(fn, *args, **kwargs):

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 import fxplan
 import models_zoo
-from fxplan.measure import GiB, measure_step
+from fxplan.measure.meter import GiB, measure_step
 
 
 def sweep(model, inputs, loss, points: int) -> dict:

@@ -146,7 +146,7 @@ _DECODER = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, inte
 
 MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
     "timm:mobilenetv3_small_050": mobilenet, "hf:qwen2": qwen2, "hf:gpt2": gpt2,
-    # models planned with units of recomputed inputs (fxplan.recomputed_inputs), best checked with --fractions
+    # models planned with units of recomputed inputs (fxplan.capture.recomputed_inputs), best checked with --fractions
     "timm:convnext_atto": timm_model("convnext_atto", 8, 128),
     "timm:efficientnet_b0": timm_model("efficientnet_b0", 8, 128),
     "timm:vit_tiny_patch16_224": timm_model("vit_tiny_patch16_224", 4, 224),
@@ -156,7 +156,7 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
     "hf:gpt_neox": hf_model("GPTNeoXConfig", "GPTNeoXForCausalLM", **_DECODER),
     "hf:distilbert": hf_model("DistilBertConfig", "DistilBertForMaskedLM", dim=64, n_layers=2, n_heads=4,
                               hidden_dim=128),
-    # its MLP's GELU is a torch.autograd.Function with a backward of its own (fxplan.functions)
+    # its MLP's GELU is a torch.autograd.Function with a backward of its own (fxplan.capture.functions)
     "hf:bloom": hf_model("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4),
     # session 34's sweep of architectures tried nowhere else (docs/rewrite.md, "Models beyond the named ones")
     "hf:gptj": hf_model("GPTJConfig", "GPTJForCausalLM", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64),
@@ -205,7 +205,7 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
         ("cait_xxs24_224", 224), ("eva02_tiny_patch14_224", 224), ("coat_lite_tiny", 224), ("gcvit_xxtiny", 224)]},
     "hf:vit": hf_vision("ViTConfig", "ViTForImageClassification", 8, 64, **_ENCODER),
     "hf:deit": hf_vision("DeiTConfig", "DeiTForImageClassification", 8, 64, **_ENCODER),
-    # its relative position index comes from an lru_cache outside the model (fxplan.fakes.caches_kept_real)
+    # its relative position index comes from an lru_cache outside the model (fxplan.capture.fakes.caches_kept_real)
     "hf:beit": hf_vision("BeitConfig", "BeitForImageClassification", 8, 64, use_relative_position_bias=True,
                          **_ENCODER),
     "hf:dinov2": hf_vision("Dinov2Config", "Dinov2ForImageClassification", 8, 64, **_ENCODER),

@@ -5,7 +5,7 @@ Usage: python scripts/nested_floor.py [NAME ...]
 For each network, all measured with fxplan.measure_step on fake tensors (exact) with the zoo loss:
 the vanilla peak; the smallest peak of the canonical plans (fxplan's search before nesting,
 ``Search.smallest``); the smallest with nested plans (``Search.lowest``: what ``fxplan.rewrite(model,
-None)`` returns now); the physical floor (:func:`fxplan.floor.physical_floor`), and each peak as a
+None)`` returns now); the physical floor (:func:`fxplan.measure.floor.physical_floor`), and each peak as a
 multiple of the floor; the recomputation each plan costs (forward FLOP-weighted time cost of the nodes
 re-run per step, divided by one forward pass; a node re-run by two nested checkpoints counts twice);
 the depth of nesting and the seconds of the nested search (shared machine: indicative only).
@@ -20,11 +20,11 @@ import time
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models_zoo
-from fxplan.console import format_table
-from fxplan.floor import physical_floor
-from fxplan.measure import GiB, measure_step
-from fxplan.search import Search
-from fxplan.trace import trace
+from fxplan.common.console import format_table
+from fxplan.costs.trace import trace
+from fxplan.measure.floor import physical_floor
+from fxplan.measure.meter import GiB, measure_step
+from fxplan.planner.search import Search
 
 NAMES = ("pspnet", "unet", "resnet50", "resnet152", "vgg19", "densenet161", "googlenet")
 

@@ -5,8 +5,8 @@ Usage: python scripts/paper_reductions.py [NAME ...] [--solver approx|exact]
 For each network: the vanilla peak and the peak of ``fxplan.rewrite(model, None, strategy=...)``
 (the smallest feasible budget), both measured with fxplan.measure_step on fake tensors with the zoo
 loss, for the memory-centric and time-centric strategies; the plan's predicted peak beside the
-measured one, its segments and recomputed regions (fxplan.regions); the physical floor
-(:func:`fxplan.floor.physical_floor`, kernel scratch included: no plan of the same kernels peaks below it)
+measured one, its segments and recomputed regions (fxplan.capture.regions); the physical floor
+(:func:`fxplan.measure.floor.physical_floor`, kernel scratch included: no plan of the same kernels peaks below it)
 and the measured peak as a multiple of it; and Kusumoto et al.'s best reduction (Table 1) for comparison.
 """
 
@@ -20,9 +20,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 import models_zoo
-from fxplan.console import format_table
-from fxplan.floor import physical_floor
-from fxplan.measure import GiB, measure_step
+from fxplan.common.console import format_table
+from fxplan.measure.floor import physical_floor
+from fxplan.measure.meter import GiB, measure_step
 
 #: Kusumoto et al. (2019), Table 1: best reduction over all their methods.
 PAPER_BEST_REDUCTION = {"pspnet": 0.71, "unet": 0.48, "resnet50": 0.62, "resnet152": 0.75, "vgg19": 0.36,

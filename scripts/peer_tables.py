@@ -8,22 +8,22 @@ Rows (per network, real tensors on ``--device``: CUDA when present, else the CPU
 * ``vanilla``: the model as it is, the baseline of every ratio;
 * ``blocks``: every instance of the model's repeated block class (``--block-class``, or the most frequent
   class among modules with two or more children: Bottleneck, _DenseLayer, GPT2Block) under non-reentrant
-  ``torch.utils.checkpoint`` (:func:`fxplan.peers.block_checkpoint_peer`); ``blocks-selective``: the same
+  ``torch.utils.checkpoint`` (:func:`fxplan.compare.peers.block_checkpoint_peer`); ``blocks-selective``: the same
   with selective activation checkpointing, keeping convolution and matrix-product outputs;
 * ``hf-checkpointing``: a Hugging Face model's own ``gradient_checkpointing_enable()`` (non-reentrant;
-  :func:`fxplan.peers.hf_checkpointing_peer`), on transformers models only;
-* ``torch.compile@F``: :func:`fxplan.peers.compile_peer` at ``activation_memory_budget`` F (0.5, 0.25);
+  :func:`fxplan.compare.peers.hf_checkpointing_peer`), on transformers models only;
+* ``torch.compile@F``: :func:`fxplan.compare.peers.compile_peer` at ``activation_memory_budget`` F (0.5, 0.25);
 * ``fxplan-smallest``: ``fxplan.rewrite(model, None)``, the smallest peak fxplan reaches;
   ``fxplan-middle``: the time-centric plan at the budget halfway between that peak and vanilla's;
 * ``fxplan@PEER`` for every peer: the time-centric plan with the peer's measured peak as the budget, the
   point that should dominate it (no plan fits when the peer is below fxplan's smallest peak: said).
 
 Every module is built first (planning, compiling); then each one's peak is measured on one real step with
-one meter for all (:func:`fxplan.compare.real_step_peak`: torch.profiler allocation events plus the
+one meter for all (:func:`fxplan.compare.driver.real_step_peak`: torch.profiler allocation events plus the
 parameters, buffers and inputs on the CPU, the caching allocator's ``max_memory_allocated`` on CUDA),
 beside the fake-tensor meter fxplan plans with where it applies (not
 inside compiled code), so that the two can be checked against each other; then all are timed together by
-:func:`fxplan.timing.time_interleaved` (one warm-up round, ``--rounds`` rounds in rotated order,
+:func:`fxplan.measure.timing.time_interleaved` (one warm-up round, ``--rounds`` rounds in rotated order,
 ``--threads`` threads). "ratio to vanilla" is the median and interquartile range of per-round ratios,
 "within noise" when that range contains 1.0. "dominated by" names, for a peer, the fastest fxplan row
 whose real peak is at or below the peer's and whose median step is no slower, with its per-round ratio
@@ -45,15 +45,15 @@ import torch
 from torch import nn
 
 import models_zoo
-from fxplan import peers
+from fxplan.api import rewrite
 from fxplan.cli import parse_device
-from fxplan.compare import describe_input, real_step_peak
-from fxplan.console import format_table
+from fxplan.common.console import format_table
+from fxplan.compare import peers
+from fxplan.compare.driver import describe_input, real_step_peak
+from fxplan.compare.methods import real_copy
 from fxplan.errors import BudgetError
-from fxplan.measure import measure_step
-from fxplan.methods import real_copy
-from fxplan.rewriting import rewrite
-from fxplan.timing import (
+from fxplan.measure.meter import measure_step
+from fxplan.measure.timing import (
     MIN_STEP_SECONDS,
     Timing,
     describe_ratio,
@@ -173,7 +173,7 @@ def _built(name: str, family: str, build: Callable[[], tuple[nn.Module, float | 
 
 
 def _peer(model: nn.Module, name: str, block: str | None) -> nn.Module:
-    """One of ``PEERS`` made from ``model``; :class:`fxplan.peers.NotApplicable` where it does not apply."""
+    """One of ``PEERS`` made from ``model``; :class:`fxplan.compare.peers.NotApplicable` where it does not apply."""
     if name == "hf-checkpointing":
         return peers.hf_checkpointing_peer(model)
     return peers.block_checkpoint_peer(model, block, selective=name == "blocks-selective")
@@ -214,7 +214,7 @@ def _measure_peaks(row: Row, inputs: tuple, loss_fn, device: torch.device, log: 
 
 def time_rows(rows: list[Row], inputs: tuple, loss_fn, *, rounds: int, threads: int | None,
               device: torch.device = CPU, log: Callable[[str], None] = print) -> None:
-    """Time every built row together (:func:`fxplan.timing.time_interleaved`, vanilla the baseline)."""
+    """Time every built row together (:func:`fxplan.measure.timing.time_interleaved`, vanilla the baseline)."""
     live = {r.name: r for r in rows if r.module is not None}
     steps = {name: training_step(r.module, inputs, loss_fn, device) for name, r in live.items()}
     timings = time_interleaved(steps, baseline="vanilla", rounds=rounds, warmup=1, threads=threads,

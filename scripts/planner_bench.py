@@ -27,10 +27,10 @@ from pathlib import Path
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models_zoo
-from fxplan import chen, dp
+from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.lowersets import GraphIndex, count_lower_sets
-from fxplan.trace import trace
+from fxplan.solvers import chen, dp
+from fxplan.solvers.lowersets import GraphIndex, count_lower_sets
 
 NETS = ["resnet50", "resnet152", "vgg19", "densenet161", "googlenet", "unet", "pspnet"]
 GiB = float(1 << 30)

@@ -53,7 +53,7 @@ def residual_net(nodes: int):
 
 def build_graph(nodes: int, path: Path) -> float:
     """Trace the synthetic network with ``nodes`` compute nodes into ``path`` (pickle); returns seconds."""
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
 
     net, x = residual_net(nodes)
     t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def child(graph: str, engine: str, solve: str) -> None:
     """Run one solve and print {"seconds", "rss_mb", "peak", "segments"} as JSON."""
     cg = pickle.loads(Path(graph).read_bytes())
     if engine == "current":
-        from fxplan import dp
+        from fxplan.solvers import dp
     else:
         sys.path.insert(0, str(ROOT / "scripts"))
         from reference_engine import load

@@ -5,10 +5,10 @@ Usage: python scripts/prediction_accuracy.py [NAME ...] [--points K] [--batch-si
 For each network (paper batch, zoo loss, fake tensors): the measured search of ``fxplan.rewrite``
 chooses plans at the smallest budget and at K budgets evenly spaced from there to the vanilla peak;
 every plan the search measured on the way is compared with three predictions of its whole-step peak:
-the replay (``fxplan.replay``, what ``fxplan.plan``/``rewrite`` show), the sweep model
-(``fxplan.sweep_model``, what the approximate DP plans with) and the autograd model (the solvers'
+the replay (``fxplan.planner.replay``, what ``fxplan.plan``/``rewrite`` show), the sweep model
+(``fxplan.solvers.sweep_model``, what the approximate DP plans with) and the autograd model (the solvers'
 default). Errors are (predicted - measured) / measured. ``--nested K``: the replay's largest error on K
-random nested plans (:mod:`fxplan.nested`) per network, too.
+random nested plans (:mod:`fxplan.planner.nested`) per network, too.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models_zoo
 from fxplan.cli import format_table
-from fxplan.lowersets import GraphIndex
-from fxplan.measure import measure_step
-from fxplan.memory_model import AutogradModel, evaluate_chain
-from fxplan.planning import resident_bytes
-from fxplan.replay import replay_blocks
-from fxplan.search import Search
-from fxplan.subplans import Block, as_children
-from fxplan.sweep_model import SweepModel
-from fxplan.trace import trace
+from fxplan.costs.trace import trace
+from fxplan.measure.meter import measure_step
+from fxplan.planner.planning import resident_bytes
+from fxplan.planner.replay import replay_blocks
+from fxplan.planner.search import Search
+from fxplan.solvers.lowersets import GraphIndex
+from fxplan.solvers.memory_model import AutogradModel, evaluate_chain
+from fxplan.solvers.subplans import Block, as_children
+from fxplan.solvers.sweep_model import SweepModel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from models_awkward import chunks  # noqa: E402

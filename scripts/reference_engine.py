@@ -1,4 +1,4 @@
-"""Load the planner engine (fxplan.lowersets, family, memory_model, family_dp and dp) of an earlier commit
+"""Load the planner engine (fxplan.solvers.lowersets, family, memory_model, family_dp and dp) of an earlier commit
 beside the current one.
 
 Benchmarks print "before" and "after" from one process: ``load("35c586f")`` returns that commit's ``dp``
@@ -24,7 +24,7 @@ engine) are taken from nowhere: its dp does not import them."""
 
 
 def load(rev: str) -> types.ModuleType:
-    """The ``fxplan.dp`` module of git revision ``rev``, with that revision's engine modules beneath it."""
+    """The ``fxplan.solvers.dp`` module of git revision ``rev``, with that revision's engine modules beneath it."""
     present = [short for short in ENGINE if _source(rev, short) is not None]
     mods = {}
     for short in present:  # in dependency order

@@ -3,12 +3,12 @@
 Usage: python scripts/replay_bench.py MODEL [--budget F] [--reference d8d5990] [--rounds 3]
 
 MODEL is a name of scripts/rewrite_scale.py (``synthetic:N``, ``gpt2:L``, a zoo name). ``fxplan.rewrite(model,
-None)`` runs once (and at ``--budget`` times the plain step's peak, if given) with :func:`fxplan.replay.replay_blocks`
-recorded: cost graph, step model, plan and cap of each call. Then the recorded calls are replayed by the working
-tree's :mod:`fxplan.replay` and by the one of ``--reference`` (git revision; its other modules are the working
-tree's), in alternating rounds in this process, and their results compared (peaks, per-segment peaks, stopped
-replays). Prints seconds per round for each, and how many results differ (0 expected: a faster replay must
-predict the same peaks).
+None)`` runs once (and at ``--budget`` times the plain step's peak, if given) with
+:func:`fxplan.planner.replay.replay_blocks` recorded: cost graph, step model, plan and cap of each call. Then the
+recorded calls are replayed by the working tree's :mod:`fxplan.planner.replay` and by the one of ``--reference`` (git
+revision; its other modules are the working tree's), in alternating rounds in this process, and their results
+compared (peaks, per-segment peaks, stopped replays). Prints seconds per round for each, and how many results differ
+(0 expected: a faster replay must predict the same peaks).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import fxplan
-from fxplan import replay, search
+from fxplan.planner import replay, search
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_engine import module  # noqa: E402

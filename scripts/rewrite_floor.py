@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 import fxplan
-from fxplan.capture import as_call, capture
-from fxplan.fakes import fake_copy, fake_mode_of, to_fake
-from fxplan.guards import replaced
+from fxplan.capture.capturers import as_call, capture
+from fxplan.capture.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.capture.guards import replaced
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rewrite_scale import bare_step, build  # noqa: E402

@@ -19,13 +19,13 @@ propagation) and the approximate DP's memory-centric solve with the rewrite's me
 timed on their own, a warm-up step, then per repeat the step, ``rewrite`` without a budget and
 ``rewrite`` at the middle budget, interleaved; medians and ranges over the repeats (``--half``: no
 no-budget rewrite, and the budget is half the plain step's peak). The breakdown
-(seconds inside ``fxplan.search`` per stage, from the first no-budget rewrite; with ``--half``, from the
+(seconds inside ``fxplan.planner.search`` per stage, from the first no-budget rewrite; with ``--half``, from the
 first budget rewrite, followed by the plan it chose) says where the time goes:
 ``trace`` capture and cost propagation, ``capture`` the part of it that captures the graph (``symbolic_trace``
 or ``torch.export``, on a fake copy), ``probe`` the replay's gradient probe (``step_model``), ``solve``
 the DP solves of the candidate plans, ``replay`` their predicted peaks, ``codegen`` + ``measure`` the
 fake-tensor steps of the candidates measured, ``region trace`` the trace of the graph with every recomputed
-region or unit (:mod:`fxplan.variants`), ``splice`` the cost graphs of their subsets.
+region or unit (:mod:`fxplan.planner.variants`), ``splice`` the cost graphs of their subsets.
 """
 
 from __future__ import annotations
@@ -42,13 +42,16 @@ from pathlib import Path
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
-import fxplan.trace as tracing
-from fxplan import dp, meter, rewriting, search, variants
-from fxplan.capture import as_call
-from fxplan.fakes import fake_copy, fake_mode_of
-from fxplan.measure import default_loss
-from fxplan.sweep_model import SweepModel
-from fxplan.trace import trace
+import fxplan.costs.trace as tracing
+from fxplan import api as rewriting
+from fxplan.capture.capturers import as_call
+from fxplan.capture.fakes import fake_copy, fake_mode_of
+from fxplan.costs.trace import trace
+from fxplan.measure.meter import default_loss
+from fxplan.planner import plan_meter as meter
+from fxplan.planner import search, variants
+from fxplan.solvers import dp
+from fxplan.solvers.sweep_model import SweepModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from planner_scale import residual_net  # noqa: E402
@@ -58,8 +61,8 @@ STAGES = {"trace": [(rewriting, "trace")], "capture": [(tracing, "capture"), (tr
           "min": [(search, "min_budget_bytes_graph")], "replay": [(search, "replay")],
           "codegen": [(meter, "segment_module")], "measure": [(meter, "measure_fake")],
           "region trace": [(variants, "trace")], "splice": [(variants, "spliced")]}
-try:  # the frontier's plans, solved in fxplan.frontier since session 30 (in fxplan.search before)
-    from fxplan import frontier
+try:  # the frontier's plans, solved in fxplan.planner.frontier since session 30 (in fxplan.planner.search before)
+    from fxplan.planner import frontier
 
     STAGES["solve"].append((frontier, "plan_graph"))
     STAGES["min"].append((frontier, "min_budget_bytes_graph"))

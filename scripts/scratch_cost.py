@@ -1,10 +1,10 @@
-"""What counting kernel scratch (fxplan.scratch) costs a planning run, side by side in one run.
+"""What counting kernel scratch (fxplan.measure.scratch) costs a planning run, side by side in one run.
 
 Usage: python scripts/scratch_cost.py [MODEL] [--batch-size N] [--input-size H]
 
 For a torchvision model (default resnet50, batch 8, 224²), three fresh processes one after the other, each
 with the machine's device benchmark (``device_speed.json``) and nothing else in its cache folder at first: the
-meters without scratch (``fxplan.scratch.not_counted()``), with an empty scratch cache (every distinct ATen
+meters without scratch (``fxplan.measure.scratch.not_counted()``), with an empty scratch cache (every distinct ATen
 call runs once on real tensors), and with the cache the second process wrote. Each measures one fake step and
 then ``fxplan.rewrite`` at half that step's peak, and prints their seconds, the plan's measured peak and its
 recomputation. The budgets differ between the first process and the others: half of a peak without and with
@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from fxplan import timecost
+from fxplan.common.cache import cache_file
+from fxplan.costs import timecost
 
 
 def child(model_name: str, batch: int, size: int, counted: bool) -> None:
@@ -32,7 +33,7 @@ def child(model_name: str, batch: int, size: int, counted: bool) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fxplan
-    from fxplan import scratch
+    from fxplan.measure import scratch
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, model_name)(weights=None).train()
@@ -62,12 +63,12 @@ def main() -> None:
     print(f"{args.model}, batch {args.batch_size}, {args.input_size}²")
     print("| scratch | first fake step s | rewrite at half its peak s | step peak MiB | plan peak MiB | recompute |")
     print("|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as cache:
+    with tempfile.TemporaryDirectory() as cache_dir:
         # the same roofline costs in every process: the machine's device benchmark, if it has one
-        speeds = timecost._cache_file()
+        speeds = cache_file(timecost.SPEEDS_FILE)
         if speeds.exists():
-            shutil.copy(speeds, Path(cache) / speeds.name)
-        env = {**os.environ, "FXPLAN_CACHE_DIR": cache}
+            shutil.copy(speeds, Path(cache_dir) / speeds.name)
+        env = {**os.environ, "FXPLAN_CACHE_DIR": cache_dir}
         runs = (("not counted", "off"), ("counted, empty cache", "on"), ("counted, cache of the run before", "on"))
         for label, mode in runs:
             command = [sys.executable, __file__, args.model, "--batch-size", str(args.batch_size),

@@ -18,10 +18,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import models_zoo
-from fxplan import peers
-from fxplan.measure import measure_step
-from fxplan.rewriting import rewrite
-from fxplan.timing import training_step
+from fxplan.api import rewrite
+from fxplan.compare import peers
+from fxplan.measure.meter import measure_step
+from fxplan.measure.timing import training_step
 
 
 def profiled(step, device: torch.device) -> tuple[float, float, int, dict[str, float], dict[str, int]]:

@@ -4,12 +4,12 @@ Usage: python scripts/step_time.py [NAME ...] [--batch-size N] [--input-size H] 
        [--threads K] [--cost-models flops roofline ...] [--fractions F ...]
 
 For each network (real tensors on the CPU, or CUDA when available) and each cost model of
-``fxplan.trace`` (``flops``: the time model before fxplan.timecost; ``roofline``: the default): the
+``fxplan.costs.trace`` (``flops``: the time model before fxplan.costs.timecost; ``roofline``: the default): the
 time-centric plan at the smallest budget fxplan reaches (nested plans and recomputed regions included, as
-``fxplan.rewrite(model, None)`` chooses: :mod:`fxplan.variants`), and at the budget halfway between that
+``fxplan.rewrite(model, None)`` chooses: :mod:`fxplan.planner.variants`), and at the budget halfway between that
 smallest measured peak (the least over the cost models) and vanilla's, and at ``--fractions`` of vanilla's
 peak (issue 11's goal beyond its bar: 0.5). All modules are then timed together by
-:func:`fxplan.timing.time_interleaved` (warm-up round, rotated interleaved rounds, fixed thread count);
+:func:`fxplan.measure.timing.time_interleaved` (warm-up round, rotated interleaved rounds, fixed thread count);
 the table gives each one's median step, its ratio to vanilla as the median and interquartile range of
 per-round ratios ("within noise" when that range contains 1.0), and the predicted
 (Plan.predicted_extra_seconds) against the measured extra seconds per step.
@@ -23,12 +23,12 @@ import sys
 import torch
 
 import models_zoo
-from fxplan.console import format_table
+from fxplan.common.console import format_table
+from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError
-from fxplan.measure import GiB, measure_step
-from fxplan.timing import MIN_STEP_SECONDS, describe_ratio, fixed_threads, time_interleaved, training_step
-from fxplan.trace import trace
-from fxplan.variants import Searches
+from fxplan.measure.meter import GiB, measure_step
+from fxplan.measure.timing import MIN_STEP_SECONDS, describe_ratio, fixed_threads, time_interleaved, training_step
+from fxplan.planner.variants import Searches
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""How the node cost models of fxplan.trace see a network: tracing time and each op kind's share of T.
+"""How the node cost models of fxplan.costs.trace see a network: tracing time and each op kind's share of T.
 
 Usage: python scripts/time_models.py [NAME] [--batch-size N] [--input-size H] [--threads K]
 
@@ -18,10 +18,10 @@ from collections import defaultdict
 import torch
 
 import models_zoo
-from fxplan.console import format_table
-from fxplan.timecost import device_speed
-from fxplan.timing import fixed_threads
-from fxplan.trace import COST_MODELS, trace
+from fxplan.common.console import format_table
+from fxplan.costs.timecost import device_speed
+from fxplan.costs.trace import COST_MODELS, trace
+from fxplan.measure.timing import fixed_threads
 
 
 def main() -> None:

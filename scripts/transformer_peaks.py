@@ -17,9 +17,9 @@ import torch
 
 import fxplan
 import models_zoo
-from fxplan import peers
-from fxplan.console import format_table
-from fxplan.measure import GiB
+from fxplan.common.console import format_table
+from fxplan.compare import peers
+from fxplan.measure.meter import GiB
 
 DEFAULT = ["gpt2_small", "bert_base", "t5_small", "vit_base_16"]
 

@@ -14,9 +14,9 @@ import time
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import models_zoo
-from fxplan.console import format_table
-from fxplan.measure import GiB, MiB, measure_step
-from fxplan.trace import trace
+from fxplan.common.console import format_table
+from fxplan.costs.trace import trace
+from fxplan.measure.meter import GiB, MiB, measure_step
 
 
 def main(names: list[str]) -> None:

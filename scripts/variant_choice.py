@@ -5,14 +5,14 @@ Usage: python scripts/variant_choice.py NAME --fractions F [F ...] [--batch-size
                                         [--rounds R] [--threads K]
 
 For each budget (a fraction of vanilla's fake-tensor peak), the captured graph's search and the graph with
-every region's (``fxplan.variants``) choose their plan, and so does ``fxplan.rewrite``'s choice over all
+every region's (``fxplan.planner.variants``) choose their plan, and so does ``fxplan.rewrite``'s choice over all
 graphs (``Searches.choose``), which may take a graph with some of the regions (``REGION_SUBSETS``); the
 script says which graph that is. Every plan's step is then timed interleaved with vanilla's
-(:func:`fxplan.timing.time_interleaved`); the table gives each plan's measured peak as a fraction of
+(:func:`fxplan.measure.timing.time_interleaved`); the table gives each plan's measured peak as a fraction of
 vanilla's, its recomputation, the predicted extra seconds (``Plan.predicted_extra_seconds``: the ranking
 the choice uses) and the measured step ratio (median and interquartile range of per-round ratios;
 ``--rounds 0``: no real step, planning on fake tensors only). A model without convolution regions is searched
-with its units of recomputed inputs (:mod:`fxplan.recomputed_inputs`), shown the same way ("regions").
+with its units of recomputed inputs (:mod:`fxplan.capture.recomputed_inputs`), shown the same way ("regions").
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import time
 import torch
 
 import models_zoo
-from fxplan.console import format_table
+from fxplan.common.console import format_table
+from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError
-from fxplan.measure import measure_step
-from fxplan.timing import describe_ratio, fixed_threads, time_interleaved, training_step
-from fxplan.trace import trace
-from fxplan.variants import Searches
+from fxplan.measure.meter import measure_step
+from fxplan.measure.timing import describe_ratio, fixed_threads, time_interleaved, training_step
+from fxplan.planner.variants import Searches
 
 
 def graph_name(variant, every: int) -> str:

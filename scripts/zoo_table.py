@@ -5,7 +5,7 @@ nodes of ``torch.fx.symbolic_trace(model)`` whose op is call_module, call_functi
 (placeholders, get_attr and output excluded), each model built in train mode; "–" where symbolic_trace
 cannot take the model (the transformers). ``fake_only`` entries are built on the meta device. ``--peak``
 adds the vanilla peak of one training step (parameters, inputs, activations, gradients) at the paper's batch and input,
-measured exactly with fake tensors by ``fxplan.measure.measure_step(..., fake=True)`` and the entry's loss.
+measured exactly with fake tensors by ``fxplan.measure.meter.measure_step(..., fake=True)`` and the entry's loss.
 ``--kinds`` prints, instead of the table, each named network's compute nodes counted by op kind and by
 top-level submodule.
 """
@@ -58,7 +58,7 @@ def print_kinds(name: str) -> None:
 
 def vanilla_peak_gib(entry: models_zoo.ZooEntry, model: torch.nn.Module) -> float:
     """Peak GiB of one plain training step at the paper's settings, measured on fake tensors."""
-    from fxplan.measure import measure_step
+    from fxplan.measure.meter import measure_step
 
     with FakeTensorMode():
         inputs = entry.example_inputs()

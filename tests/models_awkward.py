@@ -209,10 +209,10 @@ def chunks(names: list[str], k: int) -> list[list[str]]:
 def random_plan(gm, rng, k: int) -> list[list[str]]:
     """A random increasing lower-set sequence: a random topological order cut into ``k`` chunks.
 
-    The order respects data edges and :func:`fxplan.effects.ordering_edges`, so it is usually
+    The order respects data edges and :func:`fxplan.capture.effects.ordering_edges`, so it is usually
     *not* the program order (branches interleave differently), which is what a planner produces.
     """
-    from fxplan.effects import ordering_edges
+    from fxplan.capture.effects import ordering_edges
 
     names = compute_names(gm)
     nodes = {n.name: n for n in gm.graph.nodes}

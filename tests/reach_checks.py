@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import fxplan
-from fxplan.capture import as_call
+from fxplan.capture.capturers import as_call
 
 
 def loss_of(output: Any) -> torch.Tensor:
@@ -23,7 +23,7 @@ def loss_of(output: Any) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    return fxplan.measure.default_loss(output)
+    return fxplan.measure.meter.default_loss(output)
 
 
 def _forward(model: torch.nn.Module, inputs: Any, seed: int = 1) -> Any:

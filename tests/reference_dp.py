@@ -11,8 +11,8 @@ import math
 
 import numpy as np
 
-from fxplan.lowersets import GraphIndex, enumerate_lower_sets, pruned_lower_sets
-from fxplan.memory_model import evaluate_chain, get_model
+from fxplan.solvers.lowersets import GraphIndex, enumerate_lower_sets, pruned_lower_sets
+from fxplan.solvers.memory_model import evaluate_chain, get_model
 
 EPS = 1e-6
 

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 from fxplan import BudgetError, FxplanError
-from fxplan.measure import measure_step
+from fxplan.measure.meter import measure_step
 
 GiB = 1024**3
 

@@ -13,8 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 from fxplan import BudgetError, FxplanError
-from fxplan.measure import GiB, measure_step, track_memory
-from fxplan.planning import budget_to_bytes
+from fxplan.measure.meter import GiB, measure_step, track_memory
+from fxplan.planner.planning import budget_to_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -250,7 +250,7 @@ def test_a_budget_planned_under_autocast_holds_on_the_real_autocast_step():
     """Autocast caches the casts of the weights for its whole region; a loop enters it once per step, fxplan's
     search runs many steps inside the caller's one. Measured with the casts cached by an earlier step, a plan
     that recomputes nothing measured 30% below the real step's peak and was returned for a budget it missed."""
-    from fxplan.measure import measure_step_profiler
+    from fxplan.measure.meter import measure_step_profiler
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None).train()

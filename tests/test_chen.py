@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fxplan import chen, dp
-from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.lowersets import GraphIndex
+from fxplan.solvers import chen, dp
+from fxplan.solvers.costgraph import CostGraph
+from fxplan.solvers.lowersets import GraphIndex
 
 
 def residual_chain(blocks: int, mb: int = 1 << 20) -> CostGraph:

@@ -8,7 +8,7 @@ import pytest
 
 from fxplan import cli
 from fxplan.cli import main
-from fxplan.console import format_table
+from fxplan.common.console import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def test_bad_numbers_are_rejected_while_parsing(argv, message, capsys, monkeypat
 def test_plan_gives_the_rewrite_answer_with_the_measured_peak(capsys, tmp_path):
     import fxplan
     import models_zoo
-    from fxplan.plans import Plan
+    from fxplan.solvers.plans import Plan
 
     out_json = tmp_path / "plan.json"
     # resnet50 at batch 16, 64²: vanilla 0.270 GiB, smallest plan 0.221 GiB measured

@@ -24,11 +24,11 @@ from models_awkward import (
 from torch import nn
 from torch.nn import functional as F
 
-import fxplan.recompute
-from fxplan.capture import capture
-from fxplan.codegen import SegmentedModule, segment_module
-from fxplan.effects import ordering_edges
+import fxplan.rewriter.recompute
+from fxplan.capture.capturers import capture
+from fxplan.capture.effects import ordering_edges
 from fxplan.errors import FxplanError
+from fxplan.rewriter.codegen import SegmentedModule, segment_module
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -153,13 +153,13 @@ def test_segment_without_outputs_and_single_segment_plan():
 
 def _count_checkpoints(monkeypatch):
     calls = []
-    real = fxplan.recompute.checkpoint
+    real = fxplan.rewriter.recompute.checkpoint
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fxplan.recompute, "checkpoint", counting)
+    monkeypatch.setattr(fxplan.rewriter.recompute, "checkpoint", counting)
     return calls
 
 
@@ -420,11 +420,11 @@ def test_segments_cannot_be_copied_alone():
 
 
 # ---------------------------------------------------------------------------------------------
-# memory, measured with fxplan.measure
+# memory, measured with fxplan.measure.meter
 
 
 def test_eight_segment_resnet_has_lower_measured_peak():
-    from fxplan.measure import measure_step
+    from fxplan.measure.meter import measure_step
 
     model = torchvision.models.resnet50()
     x = torch.randn(8, 3, 224, 224)  # fake tensors: nothing of this size is allocated
@@ -437,7 +437,7 @@ def test_eight_segment_resnet_has_lower_measured_peak():
 def test_checkpointed_model_fake_measure_equals_real_measure():
     """Under fake tensors (parameters converted to fake) the recomputing model measures the same
     peak as the real CPU run."""
-    from fxplan.measure import measure_step
+    from fxplan.measure.meter import measure_step
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18()
@@ -454,7 +454,7 @@ def test_checkpointed_model_fake_measure_equals_real_measure():
 
 
 def test_inplace_and_random_ops_are_recognised():
-    from fxplan import effects
+    from fxplan.capture import effects
 
     class Spellings(nn.Module):
         def __init__(self):

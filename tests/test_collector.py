@@ -1,4 +1,4 @@
-"""fxplan.collector: the cyclic collector kept off planning, and left as it was found."""
+"""fxplan.common.collector: the cyclic collector kept off planning, and left as it was found."""
 
 import gc
 import weakref
@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 import fxplan
-from fxplan import collector, dp
-from fxplan.trace import trace
+from fxplan.common import collector
+from fxplan.costs.trace import trace
+from fxplan.solvers import dp
 
 
 class _Cycle:

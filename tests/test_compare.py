@@ -13,9 +13,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 import fxplan
-from fxplan import cli, peers
-from fxplan.compare import compare_network
-from fxplan.methods import Context, Method, MethodTimeout, Prepared, default_methods, select_methods, time_limit
+from fxplan import cli
+from fxplan.compare import peers
+from fxplan.compare.driver import compare_network
+from fxplan.compare.methods import Context, Method, MethodTimeout, Prepared, default_methods, select_methods, time_limit
 
 
 class TinyChain(nn.Module):
@@ -236,7 +237,7 @@ def test_cli_handler_writes_the_report(tmp_path, monkeypatch, capsys):
 def test_unknown_name_fails_before_any_work(tmp_path, monkeypatch, capsys):
     """`compare tiny nosuch` must not measure tiny first (issue 12, point 8)."""
     _tiny_entry(monkeypatch)
-    monkeypatch.setattr("fxplan.compare.compare_network", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr("fxplan.compare.driver.compare_network", lambda *a, **k: pytest.fail("work started"))
     assert cli.main(["compare", "tiny", "nosuch", "--out", str(tmp_path / "r"), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown model 'nosuch'" in err

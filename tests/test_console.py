@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from fxplan.compare import real_step_peak
-from fxplan.console import NATIVE_LOG_LINE, Progress, filter_native_logs
+from fxplan.common.console import NATIVE_LOG_LINE, Progress, filter_native_logs
+from fxplan.compare.driver import real_step_peak
 
 
 def test_progress_step_on_one_line():
@@ -52,7 +52,7 @@ def test_profiled_real_step_prints_no_profiler_lines(capfd):
 
 
 def test_a_step_ended_by_an_exception_says_how():
-    from fxplan.peers import NotApplicable
+    from fxplan.compare.peers import NotApplicable
 
     out = io.StringIO()
     for exc in (NotApplicable("not applicable: no chain"), RuntimeError("boom")):

@@ -16,7 +16,7 @@ from dist_helpers import assert_ranks_agree
 from models_awkward import DenseNetBlock, chunks, compute_names, loss_of
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fxplan.codegen import segment_module
+from fxplan.rewriter.codegen import segment_module
 
 
 def _check(rank: int) -> list[str]:

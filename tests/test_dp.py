@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_dp import reference_solve
 
-from fxplan import dp, family_dp, time_kernel
-from fxplan.costgraph import CostGraph
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.family import Family
-from fxplan.lowersets import GraphIndex, enumerate_lower_sets, pruned_lower_sets, supersets_of
-from fxplan.memory_model import AutogradModel, evaluate_chain, get_model
+from fxplan.solvers import dp, family_dp, time_kernel
+from fxplan.solvers.costgraph import CostGraph
+from fxplan.solvers.family import Family
+from fxplan.solvers.lowersets import GraphIndex, enumerate_lower_sets, pruned_lower_sets, supersets_of
+from fxplan.solvers.memory_model import AutogradModel, evaluate_chain, get_model
 
 MODELS = ["paper", "autograd"]
 
@@ -311,7 +311,7 @@ def _assert_same_optimum(cg: CostGraph, budget: int, exact: bool) -> None:
 @settings(max_examples=60, deadline=None)
 @given(wider_dags(), st.booleans(), st.floats(1.0, 2.5))
 def test_compiled_time_dp_finds_the_family_engines_optimum(cg, exact, factor):
-    """fxplan.time_kernel: the least overhead of the family engine (exhaustive search: the test above), with
+    """fxplan.solvers.time_kernel: the least overhead of the family engine (exhaustive search: the test above), with
     no more cache at the end, on the pruned family and on all lower sets."""
     exact = exact and cg.number_of_nodes() <= 10
     _assert_same_optimum(cg, int(factor * dp.min_budget_bytes(cg, exact=exact)), exact)

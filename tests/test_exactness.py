@@ -4,7 +4,7 @@ Everything here runs on the CPU in float32 and compares with ``torch.equal`` (bi
 kernels used are deterministic, recomputation replays the same kernels on the same inputs, and the
 autograd graph of a program-order plan is the original's plus identity-gradient copy nodes.
 Plans that reorder nodes (random topological orders) are compared bitwise too, on models where no
-value gets three or more gradient contributions; see ``fxplan.codegen`` for why that matters.
+value gets three or more gradient contributions; see ``fxplan.rewriter.codegen`` for why that matters.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from models_awkward import (
 )
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from fxplan.codegen import segment_module
+from fxplan.rewriter.codegen import segment_module
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

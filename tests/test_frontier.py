@@ -1,5 +1,5 @@
-"""The candidate plans of a graph from either end of the frontier (``fxplan.frontier``), and the search for the
-smallest peak that looks at its bottom only (``fxplan.search.Search._bottom``)."""
+"""The candidate plans of a graph from either end of the frontier (``fxplan.planner.frontier``), and the search for the
+smallest peak that looks at its bottom only (``fxplan.planner.search.Search._bottom``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torchvision
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxplan.frontier import Frontier
-from fxplan.search import Search
-from fxplan.trace import trace
+from fxplan.costs.trace import trace
+from fxplan.planner.frontier import Frontier
+from fxplan.planner.search import Search
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxplan.costgraph import CostGraph
 from fxplan.errors import FxplanError
-from fxplan.lowersets import (
+from fxplan.solvers.costgraph import CostGraph
+from fxplan.solvers.lowersets import (
     GraphIndex,
     count_lower_sets,
     enumerate_lower_sets,

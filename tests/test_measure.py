@@ -4,9 +4,9 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxplan import scratch
-from fxplan.fakes import fake_copy
-from fxplan.measure import measure_fake, measure_step, measure_step_profiler, track_memory
+from fxplan.capture.fakes import fake_copy
+from fxplan.measure import scratch
+from fxplan.measure.meter import measure_fake, measure_step, measure_step_profiler, track_memory
 
 
 def small_cnn() -> nn.Module:

@@ -1,4 +1,4 @@
-"""Nested plans (fxplan.subplans, fxplan.nested): sub-segments checkpointed inside segments, exactly."""
+"""Nested plans (fxplan.solvers.subplans, fxplan.planner.nested): sub-segments checkpointed inside segments, exactly."""
 
 from __future__ import annotations
 
@@ -15,18 +15,19 @@ from reach_checks import assert_rewrite_exact
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxplan import scratch, subplans
-from fxplan.codegen import segment_module
 from fxplan.errors import FxplanError
-from fxplan.measure import measure_step
-from fxplan.plans import Plan
+from fxplan.measure import scratch
+from fxplan.measure.meter import measure_step
+from fxplan.rewriter.codegen import segment_module
+from fxplan.solvers import subplans
+from fxplan.solvers.plans import Plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "storages_only")
 
 
 @pytest.fixture
 def storages_only():
-    """The small models here peak inside a convolution's backward kernel, whose scratch (fxplan.scratch) no
+    """The small models here peak inside a convolution's backward kernel, whose scratch (fxplan.measure.scratch) no
     plan lowers; these tests are about what nesting does to the storages, so the meter counts those alone."""
     with scratch.not_counted():
         yield
@@ -150,8 +151,8 @@ def test_search_goes_below_the_canonical_plans_and_trains_exactly():
     (With two convolutions in the first block one of Chen's plans already reaches the nested peak.)"""
     model = Chain(convs=3)
     x = (torch.randn(16, 3, 32, 32),)
-    from fxplan.search import Search
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
+    from fxplan.planner.search import Search
 
     search = Search(trace(model, x), model, x, solver="approx")
     flat, low = search.smallest(), search.lowest()
@@ -164,10 +165,10 @@ def test_search_goes_below_the_canonical_plans_and_trains_exactly():
 
 
 def test_the_nested_search_measures_at_most_its_budget_of_candidates():
-    from fxplan import nested
-    from fxplan.meter import PlanMeter
-    from fxplan.search import Search
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
+    from fxplan.planner import nested
+    from fxplan.planner.plan_meter import PlanMeter
+    from fxplan.planner.search import Search
 
     model = Chain(convs=3)
     x = (torch.randn(16, 3, 32, 32),)
@@ -187,7 +188,7 @@ def test_the_nested_search_measures_at_most_its_budget_of_candidates():
 
 def _unit_chain(n: int):
     """A cost graph of ``n`` nodes in a chain, each of forward cost 1, and its node names in order."""
-    from fxplan.costgraph import CostGraph
+    from fxplan.solvers.costgraph import CostGraph
 
     cg = CostGraph()
     names = [f"n{i}" for i in range(n)]
@@ -200,7 +201,7 @@ def _unit_chain(n: int):
 def test_cheapen_undoes_the_moves_that_do_not_matter_for_the_peak(monkeypatch):
     """With a stub meter whose peak depends only on block 0 being split, the undo pass drops the other
     split and the merge, keeps block 0's split, and measures no more than its cap."""
-    from fxplan import nested
+    from fxplan.planner import nested
 
     cg, names = _unit_chain(8)
     B = subplans.Block
@@ -231,7 +232,7 @@ def test_cheapen_hands_nodes_to_the_last_block_and_swaps_sub_plans(monkeypatch):
     and gives a split block a cheaper sub-plan of its segment. With a stub meter whose peak is 100 while n1
     is checkpointed alone at the second level and 120 otherwise, the descent ends at the cheapest tree that
     keeps that: [[n0] [n1 n2]] then one block of the rest, with each move's recomputation strictly lower."""
-    from fxplan import nested
+    from fxplan.planner import nested
 
     cg, names = _unit_chain(8)
     B = subplans.Block
@@ -258,8 +259,8 @@ def test_the_search_takes_a_move_that_gains_less_than_min_gain_on_the_way_to_one
     """Two segments peaking together: the first move lowers one (a gain below MIN_GAIN), the next the other. The
     search goes on through the first and keeps the plan after the second; a last move that gains too little is
     not kept."""
-    from fxplan import nested
-    from fxplan.costgraph import CostGraph
+    from fxplan.planner import nested
+    from fxplan.solvers.costgraph import CostGraph
 
     cg = CostGraph()
     for v in "abc":
@@ -285,12 +286,12 @@ def test_the_search_takes_a_move_that_gains_less_than_min_gain_on_the_way_to_one
 def test_smallest_and_in_between_budgets_take_the_cheapest_nested_plan_measured():
     """Without a budget and at a budget below every canonical plan, the plan returned is the least
     recomputation among the nested plans measured that fit, and it is the plan its module runs."""
-    from fxplan.search import Search
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
+    from fxplan.planner.search import Search
 
     model = Chain(convs=3)
     x = (torch.randn(16, 3, 32, 32),)
-    from fxplan import nested
+    from fxplan.planner import nested
 
     search = Search(trace(model, x), model, x, solver="approx")
     flat, low = search.smallest(), search.lowest()
@@ -316,8 +317,8 @@ def _shape(plan) -> tuple:
 def test_trusting_the_replay_finds_the_same_plans_with_fewer_fake_steps():
     """Where the replay agrees with the measurements, the nested search ranks by replay: the same lowest
     plan and the same choices at every budget as a search that measures its moves, in fewer fake steps."""
-    from fxplan.search import Search
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
+    from fxplan.planner.search import Search
 
     model = Chain(convs=5)
     x = (torch.randn(16, 3, 32, 32),)
@@ -338,8 +339,8 @@ def test_a_lowest_nested_plan_measured_first_vouches_for_the_replay_in_one_fake_
     """With nothing measured, the lowest plan's search measures the nested plan it finds by replay first; within
     TRUST of its replay and below every canonical replay, it is the lowest plan after one fake step, the same plan
     (and the same choice without a budget) as where the canonical plan is measured first."""
-    from fxplan.search import Search
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
+    from fxplan.planner.search import Search
 
     model = Chain(convs=5)
     x = (torch.randn(16, 3, 32, 32),)
@@ -359,7 +360,7 @@ def test_a_lowest_nested_plan_measured_first_vouches_for_the_replay_in_one_fake_
 
 def _nested_replays_under(monkeypatch, fraction: float) -> None:
     """Make the search's replay predict nested plans ``fraction`` below their peak (replayed uncapped)."""
-    from fxplan.search import Search
+    from fxplan.planner.search import Search
 
     replayed = Search._replay_tree
 
@@ -373,8 +374,8 @@ def _nested_replays_under(monkeypatch, fraction: float) -> None:
 def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypatch):
     """If the replay under-predicts nested plans, the plan the replay-ranked search finds measures above its
     replay; the search is made again measuring its moves, and its answer is the measuring search's."""
-    from fxplan.search import Search
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
+    from fxplan.planner.search import Search
 
     model = Chain(convs=3)
     x = (torch.randn(16, 3, 32, 32),)
@@ -390,8 +391,8 @@ def test_a_replay_that_misses_nested_plans_is_caught_by_the_measurement(monkeypa
 def test_a_lowest_nested_plan_slightly_above_its_replay_is_kept_without_searching_again(monkeypatch):
     """If the replay under-predicts nested plans by less than NESTED_SLACK, the plan the replay-ranked search finds
     is kept at its measured peak (below every canonical plan): the replay stays trusted and no move is measured."""
-    from fxplan.search import NESTED_SLACK, TRUST, Search
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
+    from fxplan.planner.search import NESTED_SLACK, TRUST, Search
 
     model = Chain(convs=3)
     x = (torch.randn(16, 3, 32, 32),)
@@ -413,8 +414,8 @@ def test_a_cheaper_nested_plan_that_misses_its_replay_is_set_aside_and_the_repla
     """A nested plan chosen by its replay for the smallest peak that measures above it is dropped for the next
     cheapest; the lowest plan, measured, still stands, so the search does not start again measuring. Made here by
     recording a plan that does not fit as if its replay had said it does."""
-    from fxplan.search import NEGLIGIBLE, Search
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
+    from fxplan.planner.search import NEGLIGIBLE, Search
 
     model = Chain(convs=5)
     x = (torch.randn(16, 3, 32, 32),)
@@ -436,7 +437,7 @@ def test_a_cheaper_nested_plan_that_misses_its_replay_is_set_aside_and_the_repla
 @pytest.mark.parametrize("name", sorted(AWKWARD))
 def test_floor_is_below_every_plan(name):
     """No plan, flat or nested, measures below the physical floor; vanilla is at or above it."""
-    from fxplan.floor import physical_floor
+    from fxplan.measure.floor import physical_floor
 
     make, make_inputs = AWKWARD[name]
     model, inputs = make(), make_inputs()
@@ -454,7 +455,7 @@ def test_floor_is_below_every_plan(name):
 
 def test_floor_of_a_chain_is_its_largest_op():
     """Linear layers without bias: the floor is resident + the largest op's operands and results + held grads."""
-    from fxplan.floor import physical_floor
+    from fxplan.measure.floor import physical_floor
 
     model = nn.Sequential(nn.Linear(100, 400, bias=False), nn.Linear(400, 10, bias=False))
     x = torch.randn(50, 100)
@@ -497,9 +498,9 @@ class _KernelCount(TorchDispatchMode):
 @pytest.mark.parametrize("nested", [False, True])
 def test_early_stop_runs_what_subplans_says(nested):
     """The kernels a real step of the rewritten chain runs are the forward's plus what each checkpointed
-    block's recomputation runs by fxplan.subplans.recomputation: a block ending in a convolution stops
+    block's recomputation runs by fxplan.solvers.subplans.recomputation: a block ending in a convolution stops
     before it, a split block's recomputation runs its checkpointed sub-blocks; early_stop_cost is the rest."""
-    from fxplan.trace import trace
+    from fxplan.costs.trace import trace
 
     model, x = _ConvChain().train(), torch.randn(2, 4, 8, 8)
     cg = trace(model, (x,))

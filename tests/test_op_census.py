@@ -1,4 +1,4 @@
-"""fxplan.op_census: the trace's one dispatch mode counts what separate counters count."""
+"""fxplan.costs.op_census: the trace's one dispatch mode counts what separate counters count."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxplan.effects import written_arguments
-from fxplan.op_census import NewStorages, NodeCensus, buffer_names, tensors
-from fxplan.timecost import op_traffic
+from fxplan.capture.effects import written_arguments
+from fxplan.costs.op_census import NewStorages, NodeCensus, buffer_names, tensors
+from fxplan.costs.timecost import op_traffic
 
 
 class Mixed(nn.Module):

@@ -1,4 +1,5 @@
-"""The block-checkpointing peer (fxplan.peers.block_checkpoint_peer) and scripts/peer_tables.py on tiny models."""
+"""The block-checkpointing peer (fxplan.compare.peers.block_checkpoint_peer) and scripts/peer_tables.py on tiny
+models."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from fxplan import peers
-from fxplan.timing import Timing
+from fxplan.compare import peers
+from fxplan.measure.timing import Timing
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fxplan import chen, dp
-from fxplan.costgraph import CostGraph
-from fxplan.plans import Plan
+from fxplan.solvers import chen, dp
+from fxplan.solvers.costgraph import CostGraph
+from fxplan.solvers.plans import Plan
 
 
 def diamond_graph() -> CostGraph:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from reach_checks import assert_rewrite_exact, assert_rewrite_exact_at_two_budgets, loss_of, middle_budget_gb
 
 import fxplan
-from fxplan import subplans
-from fxplan.capture import capture
+from fxplan.capture.capturers import capture
+from fxplan.solvers import subplans
 
 transformers = pytest.importorskip("transformers")
 timm = pytest.importorskip("timm")
@@ -464,7 +464,7 @@ def test_an_autograd_function_with_its_own_backward_is_called_by_the_graph(trace
     """Both capturers' graphs call a custom autograd.Function as one node, so its own backward runs: a gradient
     reversal (a view of its input, the gradient's sign flipped) is exact at two budgets, and the module pickles.
     torch.export alone traces through the forward and loses the backward (the gradients came back with the wrong
-    sign before fxplan.functions)."""
+    sign before fxplan.capture.functions)."""
     x, model = torch.randn(64, 16), _WithOwnBackward(traceable)
     assert "apply_function" in capture(model, (x,)).gm.code
     optimized = assert_rewrite_exact_at_two_budgets(model, (x,))

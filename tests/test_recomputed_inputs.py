@@ -1,4 +1,4 @@
-"""Units of recomputed inputs (fxplan.recomputed_inputs): cheap values dropped after the forward pass and made
+"""Units of recomputed inputs (fxplan.capture.recomputed_inputs): cheap values dropped after the forward pass and made
 again in the backward of the nodes that keep them, exactly, composing with checkpoint, saved and loaded."""
 
 from __future__ import annotations
@@ -15,15 +15,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 import fxplan
-from fxplan import splice
+from fxplan.capture.recomputed_inputs import Recipe, _Slot, call_recomputing, find_units
+from fxplan.capture.regions import with_regions
+from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
-from fxplan.meter import PlanMeter
-from fxplan.recomputed_inputs import PREFIX, Recipe, Unit, _Slot, call_recomputing, find_units
-from fxplan.regions import with_regions
-from fxplan.replay import step_model
-from fxplan.search import NEGLIGIBLE
-from fxplan.trace import trace
-from fxplan.variants import Searches
+from fxplan.planner import splice
+from fxplan.planner.plan_meter import PlanMeter
+from fxplan.planner.replay import step_model
+from fxplan.planner.search import NEGLIGIBLE
+from fxplan.planner.variants import Searches
+from fxplan.solvers.units import PREFIX, Unit
 
 pytest.importorskip("transformers")
 from models_zoo.hf import HFModel  # noqa: E402

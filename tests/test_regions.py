@@ -1,7 +1,7 @@
-"""Recomputed regions (``fxplan.regions``): which chains are matched, that the graph with them computes
+"""Recomputed regions (``fxplan.capture.regions``): which chains are matched, that the graph with them computes
 the same bits as the model (outputs, gradients, buffers; train, eval, no grad), that the replay and the
 meter agree on it, and that ``fxplan.rewrite`` chooses between the graph with and without them as
-``fxplan.variants`` says."""
+``fxplan.planner.variants`` says."""
 
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ import torchvision
 from torch import nn
 
 import fxplan
-from fxplan import timecost
-from fxplan.capture import capture
-from fxplan.codegen import segment_module
+from fxplan.capture.capturers import capture
+from fxplan.capture.regions import find_regions, with_regions
+from fxplan.costs import timecost
+from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.measure import measure_step
-from fxplan.plans import Plan
-from fxplan.regions import find_regions, with_regions
-from fxplan.replay import replay, step_model
-from fxplan.trace import trace
-from fxplan.variants import Searches
+from fxplan.measure.meter import measure_step
+from fxplan.planner.replay import replay, step_model
+from fxplan.planner.variants import Searches
+from fxplan.rewriter.codegen import segment_module
+from fxplan.solvers.plans import Plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

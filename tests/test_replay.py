@@ -1,5 +1,5 @@
-"""The two peak predictions behind budgets: the replay of a plan's step (``fxplan.replay``) against the
-meter, and the sweep memory model (``fxplan.sweep_model``) against its own definition."""
+"""The two peak predictions behind budgets: the replay of a plan's step (``fxplan.planner.replay``) against the
+meter, and the sweep memory model (``fxplan.solvers.sweep_model``) against its own definition."""
 
 from __future__ import annotations
 
@@ -17,17 +17,17 @@ from models_awkward import AWKWARD, chunks, compute_names, random_plan
 from test_dp import small_dags
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxplan import scratch
-from fxplan.codegen import segment_module
-from fxplan.costgraph import CostGraph
+from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
-from fxplan.family import Family
-from fxplan.lowersets import GraphIndex, enumerate_lower_sets
-from fxplan.measure import measure_step
-from fxplan.replay import replay, step_model
-from fxplan.sweep_model import SweepModel
-from fxplan.trace import trace
-from fxplan.variants import Searches
+from fxplan.measure import scratch
+from fxplan.measure.meter import measure_step
+from fxplan.planner.replay import replay, step_model
+from fxplan.planner.variants import Searches
+from fxplan.rewriter.codegen import segment_module
+from fxplan.solvers.costgraph import CostGraph
+from fxplan.solvers.family import Family
+from fxplan.solvers.lowersets import GraphIndex, enumerate_lower_sets
+from fxplan.solvers.sweep_model import SweepModel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -39,7 +39,7 @@ def replayed_and_measured(model, inputs, segments, loss_fn=None) -> tuple[int, i
     return predicted, measure_step(module, inputs, fake=True, loss_fn=loss_fn).peak_bytes
 
 
-# "bn" is left out: fxplan.trace cannot propagate BatchNorm(momentum=None) on fake tensors (its
+# "bn" is left out: fxplan.costs.trace cannot propagate BatchNorm(momentum=None) on fake tensors (its
 # cumulative average reads num_batches_tracked as a Python number), whatever the plan.
 @pytest.mark.parametrize("name", sorted(set(AWKWARD) - {"bn"}))
 def test_replay_matches_the_meter_on_awkward_models(name):
@@ -165,9 +165,9 @@ class _ReadBeforeInPlace(torch.nn.Module):
 def _copies_compared(model, inputs, plans) -> tuple[int, int]:
     """Check the replay's in-place copies against the rewriter's on ``plans``; (plans with a copy, plans with an
     in-place op run between segments)."""
-    from fxplan.codegen import copy_for_inplace
-    from fxplan.replay import _Replayer
-    from fxplan.subplans import tree
+    from fxplan.planner.replay import _Replayer
+    from fxplan.rewriter.codegen import copy_for_inplace
+    from fxplan.solvers.subplans import tree
 
     cg = trace(model, inputs)
     sm = step_model(cg, model, inputs)
@@ -198,7 +198,7 @@ def _cuts(names: list[str], k: int, stride: int = 1) -> list[list[list[str]]]:
 
 def test_replay_copies_exactly_the_in_place_operands_the_rewriter_copies():
     """The replay's in-place rule (which ops get a private copy of their operand, and which ones the rewriter
-    runs between segments instead, :meth:`fxplan.codegen._Rewrite.inplace_openers`) is the rewriter's."""
+    runs between segments instead, :meth:`fxplan.rewriter.codegen._Rewrite.inplace_openers`) is the rewriter's."""
     torch.manual_seed(0)
     with FakeTensorMode():
         small, images = (torch.randn(2, 4, 8, 8),), (torch.randn(2, 3, 32, 32),)
@@ -344,7 +344,7 @@ def test_replay_stops_a_recomputation_at_the_last_node_that_saves_a_parameter_or
     """The replay used to end this plan's recomputation of the first segment at ``a_4`` (the last node
     saving a value of the graph) and missed ``a_4``'s output, live at the peak: 692,480 bytes against
     716,296 measured (3.3%)."""
-    from fxplan.subplans import Block, as_children
+    from fxplan.solvers.subplans import Block, as_children
 
     torch.manual_seed(0)
     model, inputs = _SideInput(), (torch.randn(256, 64), torch.randn(256, 32))
@@ -362,9 +362,9 @@ def test_replay_stops_a_recomputation_at_the_last_node_that_saves_a_parameter_or
 
 
 def test_replay_of_nested_plans_follows_the_meter():
-    """Segments split again (the nested plans of fxplan.nested): each recomputed as its sub-segments, the
+    """Segments split again (the nested plans of fxplan.planner.nested): each recomputed as its sub-segments, the
     inputs of all but the last kept, each of those recomputed again for its own backward."""
-    from fxplan.subplans import Block, as_children
+    from fxplan.solvers.subplans import Block, as_children
 
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None).train()
@@ -404,7 +404,7 @@ class _Attention(torch.nn.Module):
 
 def _nested_plans(names: list[str], rng: random.Random, count: int):
     """Random plans of 2-6 segments, one or two of them (not the last) split into 2-3 sub-segments."""
-    from fxplan.subplans import Block
+    from fxplan.solvers.subplans import Block
 
     for _ in range(count):
         flat = chunks(names, rng.randint(2, 6))
@@ -429,7 +429,7 @@ def test_replay_is_exact_on_flat_and_nested_plans(case, tolerance):
     recomputation (it lets go of its inputs once recomputed: DenseNet's concatenated features) and where
     a gradient is summed (ResNet's downsampling branch: after the node's incoming gradient and saved
     tensors are released)."""
-    from fxplan.subplans import as_children
+    from fxplan.solvers.subplans import as_children
 
     torch.manual_seed(0)
     if case == "attention":
@@ -474,9 +474,9 @@ def test_trees_one_move_from_a_base_replay_as_a_whole_replay_does(name, monkeypa
     the peaks (whole step, per segment, forward) that replay_blocks gives, also where a cap stops both. Moves in
     the last block, and every tree of a model whose buffers the guard copies (the DenseNet block's BatchNorm),
     are replayed whole."""
-    from fxplan import replay as replay_module
-    from fxplan.replay import AboveCap, NearReplays, replay_blocks
-    from fxplan.subplans import Block
+    from fxplan.planner import replay as replay_module
+    from fxplan.planner.replay import AboveCap, NearReplays, replay_blocks
+    from fxplan.solvers.subplans import Block
 
     monkeypatch.setattr(replay_module, "NEAR_MIN_BLOCKS", 4)  # these bases have four blocks
     if name == "mlp":

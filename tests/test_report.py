@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from fxplan.compare import Comparison, Row
-from fxplan.measure import GiB
-from fxplan.report import load_rows, summary_table, table1, write_report
+from fxplan.compare.driver import Comparison, Row
+from fxplan.compare.report import load_rows, summary_table, table1, write_report
+from fxplan.measure.meter import GiB
 
 
 def _row(method, family, peak, small, seconds, **kw):
@@ -107,7 +107,7 @@ def test_front_table_marks_dominated_points(comparison, tmp_path):
 
 
 def test_front_of_points():
-    from fxplan.front import front
+    from fxplan.compare.front import front
 
     def point(name, reduction, ratio):
         return Row("n", name, "fxplan", small_reduction=reduction, time_ratio=ratio)

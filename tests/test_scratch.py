@@ -1,4 +1,4 @@
-"""Kernel scratch (fxplan.scratch): the meter counts what kernels hold inside themselves, so fxplan's peaks and
+"""Kernel scratch (fxplan.measure.scratch): the meter counts what kernels hold inside themselves, so fxplan's peaks and
 budgets agree with an independent meter of the real step (torch.profiler's allocation events)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torchvision
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
-from fxplan import scratch
-from fxplan.measure import measure_step, measure_step_profiler
+from fxplan.measure import scratch
+from fxplan.measure.meter import measure_step, measure_step_profiler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 aten = torch.ops.aten
@@ -181,7 +181,7 @@ def test_the_refusal_reaches_a_rewrite_whole():
 
 
 def test_the_physical_floor_counts_kernel_scratch_and_stays_below_the_peaks(resnet):
-    from fxplan.floor import physical_floor
+    from fxplan.measure.floor import physical_floor
 
     model, inputs = resnet
     floor = physical_floor(model, inputs)

@@ -1,6 +1,6 @@
-"""Graphs with some recomputed regions: spliced cost graphs are the traced ones (``fxplan.splice``), and
+"""Graphs with some recomputed regions: spliced cost graphs are the traced ones (``fxplan.planner.splice``), and
 ``fxplan.rewrite`` takes the cheapest plan over the captured graph, every region and the subsets of
-``fxplan.variants.REGION_SUBSETS``, exactly."""
+``fxplan.planner.variants.REGION_SUBSETS``, exactly."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from test_regions import assert_same_step
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
-from fxplan import splice
-from fxplan.codegen import segment_module
-from fxplan.measure import measure_step
-from fxplan.meter import PlanMeter, code_of
-from fxplan.regions import find_regions, with_regions
-from fxplan.trace import trace
-from fxplan.variants import REGION_SUBSETS, Searches
+from fxplan.capture.regions import find_regions, with_regions
+from fxplan.costs.trace import trace
+from fxplan.measure.meter import measure_step
+from fxplan.planner import splice
+from fxplan.planner.plan_meter import PlanMeter, code_of
+from fxplan.planner.variants import REGION_SUBSETS, Searches
+from fxplan.rewriter.codegen import segment_module
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

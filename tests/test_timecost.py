@@ -1,4 +1,5 @@
-"""Node time costs in seconds (fxplan.timecost) and the timing helper (fxplan.timing); no wall-clock asserts."""
+"""Node time costs in seconds (fxplan.costs.timecost) and the timing helper (fxplan.measure.timing); no wall-clock
+asserts."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxplan import timecost, timing
+from fxplan.common import cache
+from fxplan.costs import timecost
+from fxplan.costs.op_census import NodeCensus
+from fxplan.costs.timecost import T_SECONDS, device_speed, op_key
+from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
-from fxplan.op_census import NodeCensus
-from fxplan.plans import Plan
-from fxplan.timecost import T_SECONDS, device_speed, op_key
-from fxplan.timing import describe_ratio, fixed_threads, quartiles, time_interleaved
-from fxplan.trace import trace
+from fxplan.measure import timing
+from fxplan.measure.timing import describe_ratio, fixed_threads, quartiles, time_interleaved
+from fxplan.solvers.plans import Plan
 
 
 class Block(nn.Module):
@@ -49,12 +52,12 @@ def test_bytes_moved_per_aten_op():
 
 def test_device_speed_is_measured_once_per_machine(tmp_path, monkeypatch):
     """The figures are read back from the cache file, so every process plans with the same costs."""
-    monkeypatch.setenv(timecost.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(timecost, "_SPEEDS", {})
     measured = device_speed("cpu")
     assert (tmp_path / "device_speed.json").exists()
     planted = timecost.DeviceSpeed("cpu", 1e9, 2e9, 3e-6, measured.threads)
-    timecost._write_cache({timecost._machine_key(torch.device("cpu")): dataclasses.asdict(planted)})
+    cache.write_cache({timecost._machine_key(torch.device("cpu")): dataclasses.asdict(planted)}, timecost.SPEEDS_FILE)
     monkeypatch.setattr(timecost, "_SPEEDS", {})  # a new process
     assert device_speed("cpu") == planted
 
@@ -183,7 +186,7 @@ def test_ratio_text_never_calls_noise_a_speed_up():
 
 
 def test_timing_makes_the_allocator_steady_first(monkeypatch):
-    """Every timed step runs after :func:`fxplan.timing.steady_allocator` (which pins glibc's thresholds)."""
+    """Every timed step runs after :func:`fxplan.measure.timing.steady_allocator` (which pins glibc's thresholds)."""
     calls: list[str] = []
     monkeypatch.setattr(timing, "steady_allocator", lambda: calls.append("steady"))
     time_interleaved({"vanilla": lambda: calls.append("step") or 1.0}, baseline="vanilla", rounds=1, warmup=1)
@@ -206,7 +209,7 @@ def test_fixed_threads_restores_the_count():
 
 
 def test_batch_for_step_doubles_until_a_step_is_long_enough():
-    from fxplan.timing import batch_for_step
+    from fxplan.measure.timing import batch_for_step
 
     asked: list[int] = []
 

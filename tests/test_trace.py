@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 from fxplan import CostGraph, TraceError
-from fxplan.trace import trace
+from fxplan.costs.trace import trace
 
 
 class Residual(nn.Module):
@@ -207,7 +207,7 @@ def test_a_leaf_that_writes_its_input_in_place_is_captured_by_export():
 _DEEP_TRACE = """
 import torch
 from torch import nn
-from fxplan.trace import trace
+from fxplan.costs.trace import trace
 
 class Block(nn.Module):
     def __init__(self):
@@ -256,8 +256,8 @@ def test_calls_alike_are_counted_once_with_the_figures_of_counting_each(monkeypa
     """The propagation counts a call's forward (FLOPs, bytes moved, the storages it holds at once) once per kind of
     call (op or module, argument shapes) and gives the others the same figures; a node that writes buffers is
     counted on its own, so each BatchNorm names its own statistics."""
-    import fxplan.op_census as census_module
-    import fxplan.trace as tracing
+    import fxplan.costs.op_census as census_module
+    import fxplan.costs.trace as tracing
 
     model, x = TwoAlike(), (torch.randn(2, 4, 8, 8),)
     counted = []

@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_leaves
 
 import fxplan
 import models_zoo
-from fxplan.measure import GiB, measure_step
-from fxplan.trace import COMPUTE_OPS
+from fxplan.costs.trace import COMPUTE_OPS
+from fxplan.measure.meter import GiB, measure_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

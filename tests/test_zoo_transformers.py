@@ -17,10 +17,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 import models_zoo
-from fxplan import peers
-from fxplan.compare import compare_network
-from fxplan.measure import measure_step
-from fxplan.methods import default_methods, select_methods
+from fxplan.compare import peers
+from fxplan.compare.driver import compare_network
+from fxplan.compare.methods import default_methods, select_methods
+from fxplan.measure.meter import measure_step
 from models_zoo import hf
 
 pytest.importorskip("transformers")
@@ -209,7 +209,7 @@ def test_a_decoder_captured_without_a_padding_mask_calls_attention_as_eager_does
     # under torch.export it builds the mask, and its test of "exporting" changed between releases (5.17 asks
     # is_tracing(padding_mask), 5.24 is_torchdynamo_exporting()). On an H100 the explicit mask made GPT-2's
     # attention kernels 1.8x slower. A padding mask given keeps the mask: its values decide.
-    from fxplan.capture import capture
+    from fxplan.capture.capturers import capture
 
     entry = hf.tiny_entry("gpt2_small")
     model = entry.build().train()
@@ -229,8 +229,8 @@ def test_a_mixture_of_experts_is_measured_on_fake_tensors_as_on_real_ones():
     # its meta kernel refused (bfloat16 and float16 only): measure_step(fake=True) of Mixtral raised.
     import transformers
 
-    from fxplan.floor import physical_floor
-    from fxplan.measure import measure_step_profiler
+    from fxplan.measure.floor import physical_floor
+    from fxplan.measure.meter import measure_step_profiler
 
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=97,

@@ -1,0 +1,217 @@
+"""``fxplan.rewrite`` and ``fxplan.plan``: plans held to measured memory, one answer for one budget.
+
+Both run the same measured search (:mod:`fxplan.planner.search`): a fixed set of candidate plans, each
+predicted by replaying its step and measured on fake tensors (:func:`fxplan.measure_step`, exact)
+when it may fit, and the candidate of least recomputation whose measured peak fits the budget.
+``plan`` returns that plan; ``rewrite`` the generated module that runs it. :class:`LazyRewrite` does
+the same on the first call when no example inputs were given.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from fxplan.capture.capturers import Captured, ExampleCall, capture, symbolic_trace_module
+from fxplan.capture.fakes import caches_kept_real
+from fxplan.capture.regions import with_regions
+from fxplan.common import collector
+from fxplan.costs.trace import trace
+from fxplan.errors import FxplanError
+from fxplan.measure.meter import GiB, measure_step
+from fxplan.planner.planning import budget_to_bytes, check_choices
+from fxplan.planner.variants import Searches
+from fxplan.rewriter.codegen import SegmentedModule, segment_module
+from fxplan.solvers.costgraph import CostGraph
+from fxplan.solvers.plans import Plan
+
+logger = logging.getLogger("fxplan")
+
+
+@caches_kept_real()
+def rewrite(
+    model: torch.nn.Module,
+    budget_gb: float | None = None,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+    strategy: str = "time",
+    solver: str = "approx",
+    plan: Plan | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    budget_bytes: int | None = None,
+) -> torch.nn.Module:
+    """A drop-in replacement of ``model`` that recomputes activations so one training step fits the budget.
+
+    The budget is the peak of one whole training step as :func:`fxplan.measure_step` measures it (the
+    step a training loop runs: the output is held while backward runs, existing ``.grad`` count), in
+    GiB (``budget_gb``) or bytes (``budget_bytes``); with neither, the smallest peak fxplan reaches.
+    With ``example_inputs`` (real or fake tensors) the model is planned now and a
+    :class:`~fxplan.rewriter.codegen.SegmentedModule` (a ``torch.fx.GraphModule``) is returned; without them a
+    module is returned that plans on its first call and re-plans when input shapes change.
+    ``plan`` skips planning and uses the given plan as is (measured when example inputs are given).
+    ``loss_fn(output)`` is the loss used when measuring (default: sum of the outputs).
+
+    The result is the plan of least recomputation whose measured peak fits (:mod:`fxplan.planner.search`); it
+    carries ``fxplan_plan`` (replayed and measured peak, recompute fraction, segments) and
+    ``fxplan_measured_peak_bytes``. Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the
+    smallest measured peak fxplan reaches with ``solver``; that many bytes, as a budget, succeed.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
+    if plan is not None:
+        captured = _captured_for(model, example_inputs)
+        gm = with_regions(captured, plan.regions).gm if plan.regions else captured.gm
+        module = segment_module(gm, plan.segments, plan.children)
+        measured = None
+        if example_inputs is not None:
+            measured = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn).peak_bytes
+        module.fxplan_plan = replace(plan, measured_peak_bytes=measured)
+        module.fxplan_measured_peak_bytes = measured
+        return module
+    budget = whole_step_budget(budget_gb, budget_bytes)
+    check_choices(strategy, solver)
+    if example_inputs is None:
+        return LazyRewrite(model, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    return fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+
+
+def plan(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    budget_gb: float | None = None,
+    strategy: str = "time",
+    solver: str = "approx",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    budget_bytes: int | None = None,
+) -> Plan:
+    """The plan ``fxplan.rewrite`` would run for this budget: the same search, the same answer.
+
+    ``strategy``: ``"time"`` (least recomputation within the budget) or ``"memory"`` (lowest peak,
+    Kusumoto et al. section 4.4). ``solver``: ``"approx"`` (pruned lower sets, fast), ``"exact"`` (all
+    lower sets) or ``"chen"`` (Chen et al.'s Algorithm 3). The plan's ``predicted_peak_bytes`` is the
+    replayed whole-step peak and ``measured_peak_bytes`` the measured one (fake tensors: nothing is
+    allocated). Raises :class:`BudgetError` with ``min_feasible_bytes`` (measured bytes) if nothing fits.
+    """
+    budget = whole_step_budget(budget_gb, budget_bytes)
+    check_choices(strategy, solver)
+    module = fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    return module.fxplan_plan
+
+
+@caches_kept_real()
+@collector.spared()
+def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, solver: str = "approx",
+                     loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
+    """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
+    ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
+    return Searches(_traced(model, example_inputs, solver), model, example_inputs, solver=solver,
+                    loss_fn=loss_fn).lowest()
+
+
+def _traced(model: torch.nn.Module, example_inputs: Sequence[Any], solver: str) -> CostGraph:
+    """The cost graph the search plans on: the savers of units of recomputed inputs probed, as every search but
+    Chen's also plans the graphs with units (:mod:`fxplan.planner.variants`)."""
+    return trace(model, example_inputs, probe_units=solver != "chen")
+
+
+def _captured_for(model: torch.nn.Module, example_inputs: Sequence[Any] | None) -> Captured:
+    """The capture a given plan runs on: the inputs' capture, or ``symbolic_trace`` without inputs."""
+    if example_inputs is not None:
+        return capture(model, example_inputs)
+    return Captured(symbolic_trace_module(model), "symbolic_trace", None)
+
+
+def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
+    """The budget in bytes from either spelling (GiB rounded up to a whole byte, or bytes)."""
+    if budget_bytes is None:
+        return budget_to_bytes(budget_gb)
+    if budget_gb is not None:
+        raise FxplanError("give the budget once: budget_gb or budget_bytes, not both")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise FxplanError(f"budget_bytes must be a positive whole number of bytes, got {budget_bytes!r}")
+    return budget_bytes
+
+
+@caches_kept_real()
+@collector.spared()
+def fit_budget(
+    model: torch.nn.Module,
+    example_inputs: tuple[Any, ...],
+    budget_bytes: int | None,
+    *,
+    strategy: str,
+    solver: str,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> SegmentedModule:
+    """Trace, search (:mod:`fxplan.planner.search`) and return the chosen plan's module for ``budget_bytes``.
+
+    Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
+    then the plan chosen, with seconds and fake-tensor steps."""
+    t0 = time.perf_counter()
+    cg = _traced(model, example_inputs, solver)
+    logger.info("fxplan: traced %s with %s: %d nodes, %.1f s; planning for %s", type(model).__name__,
+                cg.graph["captured"].method, cg.number_of_nodes(), time.perf_counter() - t0,
+                "the smallest peak" if budget_bytes is None else f"a budget of {budget_bytes / GiB:.3f} GiB")
+    t1 = time.perf_counter()
+    searches = Searches(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
+    chosen = searches.choose(budget_bytes, strategy)
+    module = chosen.variant.result(chosen.candidate, budget_bytes)
+    plan = module.fxplan_plan
+    logger.info("fxplan: %d segments%s, recompute %.1f%%, measured peak %.3f GiB; planned in %.1f s (%d candidate "
+                "plans, %d measured on fake tensors)", plan.num_segments,
+                f" and {len(plan.regions)} recomputed regions" if plan.regions else "", 100 * plan.recompute_fraction,
+                chosen.measured / GiB, time.perf_counter() - t1, searches.candidates, searches.steps)
+    return module
+
+
+class LazyRewrite(torch.nn.Module):
+    """``fxplan.rewrite`` without example inputs: plans on the first training call, re-plans on new shapes.
+
+    It owns the original module tree under the original names (same ``state_dict`` keys). In
+    ``eval()`` mode or under ``torch.no_grad()`` it runs the original forward and plans nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget_bytes: int | None, *, strategy: str, solver: str,
+                 loss_fn: Callable[[Any], torch.Tensor] | None):
+        super().__init__()
+        self.__dict__["_modules"] = model._modules
+        self.__dict__["_parameters"] = model._parameters
+        self.__dict__["_buffers"] = model._buffers
+        self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
+        self.__dict__["_fxplan_original"] = model
+        self.__dict__["fxplan_module"] = None
+        self._settings = dict(budget_bytes=budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
+        self._shapes: tuple | None = None
+
+    @property
+    def fxplan_plan(self) -> Plan | None:
+        return None if self.fxplan_module is None else self.fxplan_module.fxplan_plan
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = self._fxplan_original
+        original.training = self.training
+        if not (self.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        shapes = _shape_key(args, kwargs)
+        if shapes != self._shapes:
+            if self._shapes is None:
+                logger.info("fxplan: planning for input shapes %s", shapes)
+            else:
+                logger.warning("fxplan: input shapes changed from %s to %s; re-planning", self._shapes, shapes)
+            module = fit_budget(original, ExampleCall(args, kwargs), **self._settings)
+            self.__dict__["fxplan_module"] = module
+            self._shapes = shapes
+        self.fxplan_module.training = self.training
+        return self.fxplan_module(*args, **kwargs)
+
+
+def _shape_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
+    leaves = torch.utils._pytree.tree_leaves((tuple(args), kwargs))
+    return tuple((tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
+                 for t in leaves)

@@ -1,0 +1,1 @@
+"""Helpers every stage may use: terminal output and the garbage collector's schedule."""

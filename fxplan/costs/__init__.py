@@ -1,0 +1,1 @@
+"""Stage 2, costs: the captured graph -> a CostGraph (bytes, saved values, time of every node)."""

@@ -1,0 +1,729 @@
+"""The measured budget search behind ``fxplan.rewrite`` and ``fxplan.plan``.
+
+A user's budget is a measured peak (:func:`fxplan.measure_step`); the solvers plan with a memory model.
+The search reconciles the two in a way that cannot depend on the budget asked for:
+
+1. **Candidates.** A fixed set of plans per model, inputs and solver, whatever the budget, generated
+   lazily (:class:`fxplan.planner.frontier.Frontier`) in order of non-decreasing recomputation: for the DP solvers,
+   the time-centric frontier (Kusumoto et al., sections 4.2-4.4): the plan without recomputation, the plans
+   for a fixed grid of budgets below its predicted peak, then the plan at the solver's smallest predicted peak
+   and the memory-centric plan, planned with the sweep memory model (:mod:`fxplan.solvers.sweep_model`), which ranks
+   plans as measured far better than the autograd model (except the exact DP on lattices too large for its
+   family engine). A budget search takes them from the top; the search for the smallest peak from the bottom,
+   as far as they may come near the smallest (:meth:`Search._bottom`, ``REACH``). For Chen's solver, the
+   plans of Algorithm 3 over its grid of B (:func:`fxplan.solvers.chen.greedy_plans`) and the √n plan. A DP solver's
+   candidates also include the other planners' plans at their smallest peaks (:func:`_floor_plans`: Chen's
+   plans, the other DP's), so its smallest peak is at most any of theirs; ``solver="chen"`` is the paper's
+   baseline and keeps to Chen's plans.
+2. **Prediction.** Each candidate's peak is predicted by replaying its step
+   (:func:`fxplan.planner.replay.replay`, exact or nearly on the plans measured: docs/rewrite.md) and its
+   recomputation is known exactly (``recompute_fraction``).
+3. **Choice.** For a budget B: the candidate of least recomputation whose *measured* peak is at
+   most B (ties: the lower measured peak). Without a budget: the least recomputation among the
+   candidates whose measured peak is within ``NEGLIGIBLE`` of the smallest measured peak, so a plan
+   that saves nothing measurable recomputes nothing. Memory-centric: the smallest measured peak.
+   Candidates are measured lazily (on fake tensors, exact): one whose replayed peak, scaled by the
+   smallest ratio of measured to replayed peak seen so far, is above B / (1 - ``MARGIN``) is taken not
+   to fit without measuring it, which is exact as long as the replay does not over-predict one plan by
+   more than ``MARGIN`` beyond the plans measured. Once every candidate measured replayed within
+   ``TRUST`` of its measurement, a budget's candidates are ruled out where their replay is above
+   B / (1 - ``TRUST``).
+
+4. **Below the canonical plans.** When no candidate fits B, and for the smallest peak (no budget, or
+   ``strategy="memory"``), the nested search of :mod:`fxplan.planner.nested` starts from the candidate of least
+   measured peak, from each other solver's smallest candidate and from their solvers' next plans by measured
+   peak (:meth:`Search._seeds`, within a budget of measurements per solver), and looks for a nested plan
+   (sub-segments checkpointed inside segments) that measures lower; the lowest found is taken
+   (:meth:`Search.lowest`); at that peak, and at a budget below every canonical plan, the plan returned is the
+   least recomputation among the nested plans measured that fit (:meth:`fxplan.planner.nested.NestedSearch.cheapest`).
+   At a budget some canonical plan fits, a nested plan that fits and recomputes less is returned instead,
+   looked for where the canonical plan recomputes at least as much as one of the other solvers' smallest plans
+   (:meth:`Search.cheaper_nested`). The nested search measures at most
+   :func:`fxplan.planner.nested.measurement_budget` candidates per starting plan (48, fewer above 500 nodes, none
+   above 24,000) and as many for all of a solver's starting plans together, and only moves whose replayed peak
+   could win. Where the replay predicted every candidate measured before the nested search to within
+   ``TRUST``, the nested search ranks its moves by replay and measures none: the nested plan it takes is
+   measured (and so is any nested plan chosen for a budget), and one that measures above its replay by more
+   than ``TRUST`` (``NESTED_SLACK`` for the lowest where it still measures below every canonical plan; a cheaper
+   one is set aside ``NESTED_MISSES`` times first), or above the budget, sends the search back to measuring
+   every move: the fake-tensor step stays the final check. Where nesting gains nothing, results are the
+   canonical search's; where it does, a budget below the canonical plans is met instead of refused.
+
+Because the candidate set does not depend on B and the choice is "least recomputation among those
+that fit", a larger budget never gets more recomputation, and its plan is never one that a smaller
+budget's plan beats on both peak and recomputation; for the nested plans, as far as they are looked for
+(:meth:`Search.cheaper_nested` says where not). The smallest measured peak over all candidates
+and the nested plans found from them is what ``BudgetError.min_feasible_bytes`` reports, and exactly
+that budget is accepted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from fxplan.errors import BudgetError, FxplanError
+from fxplan.measure.meter import GiB
+from fxplan.planner.frontier import SWEEP, Frontier, chen_plans, exact_family_size
+from fxplan.planner.nested import NestedResult, NestedSearch
+from fxplan.planner.plan_meter import PlanMeter
+from fxplan.planner.planning import check_choices, min_budget_bytes_graph, plan_graph, resident_bytes
+from fxplan.planner.replay import AboveCap, NearReplays, Replay, StepModel, replay, step_model
+from fxplan.rewriter.codegen import SegmentedModule
+from fxplan.solvers import dp, subplans
+from fxplan.solvers.costgraph import CostGraph
+from fxplan.solvers.plans import Plan
+from fxplan.solvers.subplans import Block
+
+logger = logging.getLogger("fxplan")
+
+#: Assumed bound on how much the replay over-predicts one plan's measured peak beyond what it does on
+#: the plans measured so far (it over-predicted by at most 0.5% on the zoo: docs/rewrite.md).
+MARGIN = 0.01
+
+#: The nested search starts from at most this many plans per solver (:meth:`Search._seeds`), all of a solver's
+#: within ``fxplan.planner.nested.SEEDS_MEASUREMENTS`` times one search's measurements; a start that lowers nothing
+#: costs one round of moves at most (``fxplan.planner.nested.MOVES_PER_ROUND`` measurements, fewer once replayed).
+SEEDS_PER_SOLVER = 8
+
+#: A nested plan chosen by its replay (the lowest plan's cheaper variants,
+#:meth:`fxplan.planner.nested.NestedSearch.cheapen`)
+#: that measures above what it must fit is set aside for the next cheapest this many times less one; then the
+#: replay is no longer trusted (:meth:`Search._confirmed`). DenseNet-161 at batch 4, 224²: a cheapened plan
+#: replayed 0.13% below its measured peak, and searching again by measurement took 56 s of a 94 s rewrite.
+NESTED_MISSES = 4
+
+#: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
+NEGLIGIBLE = 0.001
+
+#: The search for the smallest peak looks at the frontier's plans from its bottom up to the first that predicts
+#: a peak above this many times the least replayed peak (:meth:`Search._bottom`; times the most the sweep model
+#: over-predicted one of them, where it did). The sweep model predicted the replayed peak of every candidate of
+#: ResNet-50, GPT-2, BERT, U-Net, a timm MobileNet and the synthetic 1,000-node network within 0.27x to 1.18x,
+#: and of a 7B Llama (hf:llama, meta device) within 1.285x. A no-budget rewrite of GPT-2 with 23 layers (956 nodes)
+#: solved 62 plans instead of 123 (docs/planner.md, "The smallest peak from the frontier's bottom").
+REACH = 1.5
+
+#: Once every candidate measured so far replayed within this fraction of its measured peak, the search
+#: ranks by replay instead of measuring (each measurement is a fake step of a rewritten module): the
+#: smallest candidate is the least replayed one, a budget rules out candidates replayed this much above
+#: it, and the nested search measures none of its moves (:meth:`Search.lowest`). What is returned is
+#: measured; a nested plan measuring above its replay by more than this fraction (or above the budget)
+#: sends the nested search back to measuring every move. On the zoo and the transformers the replay is
+#: within 0.01% of flat plans and 0.4% of nested ones (docs/planner.md).
+TRUST = 0.001
+
+#: The lowest nested plan found by replay (:meth:`Search.lowest`) that measures above its replay by more than
+#: ``TRUST`` but at most this fraction, and below every canonical plan, is kept at its measured peak instead of
+#: the nested search being made again measuring every move: at no budget and 2% above the smallest peak, GPT-2 with
+#: 4 layers (0.14% over its replay) and DenseNet-121 at batch 8 (1.2%) spent 16 fake steps each (20 s of 42 and
+#: about 60 of 108 s) for a search that ended at the same plan. A replay off by more than this is not trusted.
+NESTED_SLACK = 0.02
+
+#: A replay for :meth:`Candidate.replayed_up_to` runs this far beyond its limit (its answers do not change): a search
+#: asks one plan for limits a few percent apart (:func:`in_replay_order`'s window, then :meth:`Search._may_fit`'s bar
+#: over the least measured / replayed ratio), and a replay stopped just above the first limit was made again for
+#: the next: 195 of the 566 replays of a no-budget rewrite of the synthetic 1,000-node network, 5 with this slack.
+CAP_SLACK = 0.10
+
+
+@dataclass
+class Candidate:
+    """One plan of the search: its replayed peaks (replayed when first asked for: most candidates of a
+    budget search are never compared by peak), and once measured its peak and generated module."""
+
+    plan: Plan
+    replay_step: Callable[[Plan], Replay] | None = field(default=None, repr=False)
+    measured: int | None = None
+    module: SegmentedModule | None = None
+    rejected: bool = False
+    peaks: tuple[int, list[int]] | None = None  # (whole step, per segment), from ``replay_step``
+    code: str | None = None  # the generated code measured (the module over the model must run it)
+    floor: int = 0  # a lower bound of the replayed peak, from a replay stopped at a cap (:meth:`replayed_up_to`)
+    solvers: set[str] = field(default_factory=set)  # the solvers with this plan among theirs (Search._seeds)
+
+    def _peaks(self) -> tuple[int, list[int]]:
+        if self.peaks is None:
+            r = self.replay_step(self.plan)
+            self.peaks = (r.peak_bytes, r.segment_peak_bytes)
+        return self.peaks
+
+    def replayed_up_to(self, limit: float) -> int:
+        """The replayed peak where it is at most ``limit``; else a lower bound of it, above ``limit`` by float
+        rounding at least, so that a test ``replayed <= f(limit)`` gives the same answer on either. A search
+        comparing a plan with a bar replays it only until its peak passes the bar
+        (:func:`fxplan.planner.replay.replay`'s ``cap``): most candidates of a search lose early."""
+        if limit == math.inf:
+            return self.replayed
+        cap = int(limit * (1 + 1e-9)) + 1
+        if self.peaks is None and self.floor <= cap:
+            r = self.replay_step(self.plan, int(cap * (1 + CAP_SLACK)))
+            if isinstance(r, AboveCap):
+                self.floor = r.peak_bytes
+            else:
+                self.peaks = (r.peak_bytes, r.segment_peak_bytes)
+        return self.peaks[0] if self.peaks is not None else self.floor
+
+    @property
+    def replayed(self) -> int:
+        return self._peaks()[0]
+
+    @property
+    def segment_replayed(self) -> list[int]:
+        return self._peaks()[1]
+
+    @property
+    def recompute(self) -> float:
+        return self.plan.recompute_fraction
+
+    @property
+    def peak(self) -> int:
+        """The measured peak; the replayed one until measured (a nested plan found by replay)."""
+        return self.replayed if self.measured is None else self.measured
+
+
+class Search:
+    """The candidates of one model, inputs and solver, measured on demand (module docstring)."""
+
+    def __init__(self, cg: CostGraph, model: torch.nn.Module, example_inputs: tuple[Any, ...], *, solver: str,
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, trust_replay: bool = True):
+        check_choices("time", solver)
+        self.cg, self.inputs, self.loss_fn, self.solver = cg, example_inputs, loss_fn, solver
+        self.trust_replay = trust_replay  # may the nested search rank by replay (TRUST)? False: it measures
+        self.step: StepModel = step_model(cg, model, example_inputs, loss_fn)
+        self._near = NearReplays(cg, self.step)  # the nested search's moves, replayed from the tree they move
+        self.ratio = 1.0  # the least measured / replayed peak seen so far, at most 1
+        self.model = model
+        self.frontier = Frontier(cg, model, solver)
+        self._at: dict[int, Candidate | None] = {}  # the solver's own, by frontier position (None: no new plan)
+        self._bottom_candidates: list[Candidate] | None = None  # :meth:`_bottom`, once made
+        self._floor: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`floor`
+        self._lowest: Candidate | None = None
+        self.meter = PlanMeter(cg, example_inputs, loss_fn)
+        self._nested: NestedSearch | None = None  # the nested search of :meth:`lowest`, once run
+        self._by_replay: tuple[Candidate, Candidate] | None = None  # (start, lowest found): :meth:`_replayed_lowest`
+        self._nested_candidates: dict[tuple, Candidate] = {}  # by plan: :meth:`_nested_candidate`
+        self._misses = 0  # nested plans chosen by replay that measured above what they had to fit: _confirmed
+        self._vouching: list[Candidate] = []  # a nested plan measured in place of the canonical ones: _nested_first
+
+    def _candidate(self, p: Plan, walk: bool) -> Candidate | None:
+        """A new candidate for ``p`` (replayed when its peak is first asked for); None if a candidate has the same
+        plan. A plan of the frontier (``walk``) that one of :meth:`floor`'s has is the frontier's, whichever was
+        made first (the search for the smallest peak makes the floor first): the floor's candidate, with what it
+        replayed and measured, moves to the frontier with the frontier's plan."""
+        same = [c for c in self.candidates + (self._floor or [])
+                if c.plan.segments == p.segments and c.plan.children == p.children]
+        if not same:
+            return Candidate(p, self._replay, solvers={p.solver})
+        c = same[0]
+        c.solvers.add(p.solver)
+        if not walk or not any(f is c for f in self._floor or []):
+            return None
+        self._floor = [f for f in self._floor if f is not c]  # a new list: iterations of the old one go on
+        c.plan = p
+        return c
+
+    def _replay(self, p: Plan, cap: int | None = None) -> Replay | AboveCap:
+        return replay(self.cg, self.step, p.segments, cap=cap)
+
+    def _replay_tree(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> int:
+        return self._near.replay(blocks, cap, base).peak_bytes
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        """The solver's own candidates made so far, in the frontier's order
+        (:class:`fxplan.planner.frontier.Frontier`)."""
+        return [c for _, c in sorted(self._at.items()) if c is not None]
+
+    def _candidate_at(self, k: int) -> Candidate | None:
+        """The candidate at the frontier's position ``k``, made once; None where it adds no plan."""
+        if k not in self._at:
+            p = self.frontier.at(k)
+            self._at[k] = None if p is None else self._candidate(p, walk=True)
+        return self._at[k]
+
+    def _walk(self) -> Iterator[Candidate]:
+        """Every candidate in the frontier's order (non-decreasing recomputation), generating plans as they are
+        asked for: the first before the frontier's size is known (which solves for the smallest budget)."""
+        k = 0
+        while k == 0 or k < self.frontier.size:
+            c = self._candidate_at(k)
+            if c is not None:
+                yield c
+            k += 1
+
+    def _bottom(self) -> list[Candidate]:
+        """The candidates that may have the smallest peak, in the frontier's order: generated from the frontier's
+        bottom up (the memory-centric plan, the plan at the smallest predicted peak, then the grid's) until a plan
+        predicts a peak above ``REACH`` times the least replayed peak of these and :meth:`floor`'s (``REACH``
+        times the most any of them replayed below its prediction, where more than 1): the plans above it predict
+        higher peaks still (the time-centric DP's plan for a larger budget recomputes less, and one that fitted
+        the smaller budget would have been chosen for it). Chen's plans: all (they are made together)."""
+        if self._bottom_candidates is None:
+            if self.solver == "chen":
+                self._bottom_candidates = list(self._walk())
+                return self._bottom_candidates
+            least, over, found = math.inf, 1.0, []
+            for c in self.floor():
+                least = min(least, c.replayed_up_to(least))
+            for k in reversed(range(self.frontier.size)):
+                c = self._candidate_at(k)
+                if c is None:
+                    continue
+                if self.frontier.grid_budget(k) is not None or k == 0:
+                    if c.plan.predicted_peak_bytes > REACH * over * least:
+                        break
+                found.append(c)
+                least = min(least, c.replayed_up_to(least))
+                if c.peaks is not None:
+                    over = max(over, c.plan.predicted_peak_bytes / c.replayed)
+            self._bottom_candidates = found[::-1]
+        return self._bottom_candidates
+
+    def floor(self) -> list[Candidate]:
+        """The other solvers' candidates at their smallest peaks (:func:`_floor_plans`), by recomputation."""
+        if self._floor is None:
+            self._floor = []
+            for p in _floor_plans(self.cg, self.model, self.solver):
+                c = self._candidate(p, walk=False)
+                if c is not None:
+                    self._floor.append(c)
+            self._floor.sort(key=lambda c: c.recompute)
+        return self._floor
+
+    # ------------------------------------------------------------------------------------ measuring
+    def measure(self, c: Candidate) -> int | None:
+        """The measured peak of ``c`` (measured once, :class:`fxplan.planner.plan_meter.PlanMeter`); None if the
+        rewriter rejects the plan. :meth:`result` generates the chosen plan's module over the model."""
+        if c.measured is None and not c.rejected:
+            got = self.meter.measure(c.plan.segments, c.plan.children)
+            if got is None:
+                c.rejected = True
+                return None
+            c.measured, c.code = got
+            logger.debug("candidate: %d segments, recompute %.3f, replayed %d, measured %d bytes",
+                         c.plan.num_segments, c.recompute, c.replayed, c.measured)
+            self.ratio = min(self.ratio, c.measured / c.replayed)
+        return c.measured
+
+    def _may_fit(self, c: Candidate, budget: float) -> bool:
+        """False only if ``c`` cannot fit ``budget`` unless the replay errs by more than the margin."""
+        return c.replayed_up_to(budget / (self.ratio * (1 - MARGIN))) * self.ratio * (1 - MARGIN) <= budget
+
+    # ------------------------------------------------------------------------------------ choosing
+    def smallest(self) -> Candidate:
+        """The candidate of least measured peak (ties: least recomputation)."""
+        best = self._smallest_of([*self._bottom(), *self.floor()])
+        if best is None:
+            raise FxplanError("the rewriter rejected every candidate plan; see the debug log of 'fxplan'")
+        return best
+
+    def _smallest_of(self, candidates: list[Candidate]) -> Candidate | None:
+        """The least measured peak of ``candidates`` (ties: least recomputation), measuring those whose replay
+        may beat the best measured so far (the margin of :meth:`_may_fit`). Once the replay is trusted
+        (:meth:`_trusted`), the least replayed peak (ties: least recomputation), measured: another
+        candidate could measure lower by at most twice ``TRUST``."""
+        best: Candidate | None = None
+
+        def done(c: Candidate) -> bool:
+            return best is not None and (self._trusted() or not self._may_fit(c, best.measured))
+
+        for c in in_replay_order(candidates, done):
+            m = self.measure(c)
+            if m is not None and (best is None or (m, c.recompute) < (best.measured, best.recompute)):
+                best = c
+        return best
+
+    def lowest(self) -> Candidate:
+        """The candidate of least measured peak, nested plans included: the canonical plan of
+        :meth:`smallest`, or the lowest nested plan :mod:`fxplan.planner.nested` finds from :meth:`_seeds`.
+
+        The nested search trusts the replay (ranks its moves by replayed peaks, measuring none) where every
+        candidate measured so far replayed within ``TRUST`` (where none is, the plan it finds may be measured first
+        and vouch for the replay itself: :meth:`_nested_first`); the plan it finds is then measured, and if
+        the replay under-predicted it by more than ``TRUST``, the search is made again, measuring, unless by at
+        most ``NESTED_SLACK`` with the plan still measuring below :meth:`smallest`'s: then it is kept at its
+        measured peak."""
+        if self._lowest is None:
+            self._lowest = self._nested_first()
+        if self._lowest is None:
+            smallest = self.smallest()  # measures the candidates the replay is judged by
+            trusted = self._trusted()
+            self._lowest = self._replayed_lowest(smallest) if trusted else self._nested_search(smallest, False)
+            if trusted and self._lowest is not smallest:  # a nested plan found by replay (measured by now or not)
+                found, m = self._lowest, self.measure(self._lowest)
+                if m is not None and m <= found.replayed * (1 + TRUST):
+                    if m >= smallest.measured:  # replayed lower, measured not: within TRUST
+                        self._lowest = smallest
+                elif m is not None and m <= found.replayed * (1 + NESTED_SLACK) and m < smallest.measured:
+                    logger.debug("the lowest nested plan measured %d bytes, replayed %d: kept", m, found.replayed)
+                    self._correct_nested(found, m)
+                else:
+                    self._distrust(f"its nested plan measured {m} bytes, replayed {found.replayed}")
+                    self._lowest = self._nested_search(smallest, False)
+        return self._lowest
+
+    def _nested_first(self) -> Candidate | None:
+        """Where nothing is measured yet and the replay may be trusted, the lowest nested plan found by replay from
+        the least replayed canonical plan (:meth:`_replayed_lowest`), measured first. If it measures within ``TRUST``
+        of its replay and below what the canonical plans could measure were the replay as close on them (``TRUST``
+        below the least replayed), it is the lowest plan and vouches for the replay as a measured canonical plan
+        would (:meth:`measured_candidates`): a no-budget rewrite whose smallest plan is nested spends one fake step
+        less. Else None: :meth:`lowest` measures the canonical plans and judges this plan as before."""
+        if not self.trust_replay or self.measured_candidates():
+            return None
+        start = next(in_replay_order([*self._bottom(), *self.floor()], lambda c: False), None)
+        found = self._replayed_lowest(start) if start is not None else None
+        if found is None or found is start:
+            return None
+        m = self.measure(found)
+        if m is None or not replayed_within_trust([found]) or m >= start.replayed * (1 - TRUST):
+            return None
+        self._vouching.append(found)
+        return found
+
+    def may_measure_at_most(self, bar: int) -> bool:
+        """False if no plan of this search measures at most ``bar`` bytes, judged by the replay where nothing is
+        measured yet: its lowest plan by replay (:meth:`_replayed_lowest` from the least replayed candidate)
+        replays above ``bar`` by more than ``TRUST``. For a search whose replay another search of the same
+        trace vouches for (:meth:`fxplan.planner.variants.Searches.smallest_choices`); :meth:`lowest` reuses what it
+        finds."""
+        if self._lowest is not None:
+            return self._lowest.measured <= bar
+        start = next(in_replay_order([*self._bottom(), *self.floor()], lambda c: False))
+        return self._replayed_lowest(start).peak * (1 - TRUST) <= bar
+
+    def _replayed_lowest(self, start: Candidate) -> Candidate:
+        """The lowest of ``start`` and the nested plans found from it by replay alone (:meth:`_nested_search`,
+        trusted), kept per start: the same search whether or not anything was measured before it."""
+        if self._by_replay is None or self._by_replay[0] is not start:
+            self._by_replay = start, self._nested_search(start, True)
+        return self._by_replay[1]
+
+    def _nested_search(self, lowest: Candidate, trusted: bool) -> Candidate:
+        """The lowest of ``lowest`` (:meth:`smallest`) and the nested plans found from :meth:`_seeds` (ranked by
+        replay if ``trusted``, then not measured), keeping the nested search for :meth:`_nested_fit`."""
+        self._nested = nested = NestedSearch(self.cg, self.meter, replayed=self._replay_tree, trusted=trusted)
+        found_at, started = None, set()
+        for group in self._seeds(trusted, lowest) if nested.max_measurements > 0 else []:
+            nested.start_group()  # a budget per solver: see _seeds
+            for seed in group:
+                if nested.total_left <= 0:
+                    break
+                if id(seed) in started:  # a plan of two solvers: searched from once
+                    continue
+                started.add(id(seed))
+                found = nested.improve(seed.plan, seed.replayed if trusted else seed.peak, seed.segment_replayed)
+                # found.measured is replayed where the search trusts the replay: compared with a replay
+                if found is not None and found.measured < (lowest.replayed if trusted else lowest.measured):
+                    lowest, found_at = self._nested_candidate(found, seed.plan), (found, seed.plan)
+        if found_at is not None:  # plans of that peak that recompute less join nested.measured
+            nested.cheapen(*found_at)
+        return lowest
+
+    def _trusted(self) -> bool:
+        """True if the replay may rank candidates: every candidate measured so far (one at least) replayed
+        within ``TRUST`` of its measured peak, and no nested plan found by replay measured otherwise."""
+        return self.trust_replay and replayed_within_trust(self.measured_candidates())
+
+    def measured_candidates(self) -> list[Candidate]:
+        """The candidates measured so far that the replay is judged by: the canonical ones, and a nested plan that
+        vouched for the replay in their place (:meth:`_nested_first`)."""
+        return [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None] + self._vouching
+
+    def _distrust(self, why: str) -> None:
+        """Forget the nested plans ranked by replay: from now on the nested search measures its moves."""
+        logger.info("fxplan: the replay missed a nested plan (%s); searching again, measuring", why)
+        self.trust_replay, self._lowest, self._nested, self._by_replay = False, None, None, None
+
+    def _confirmed(self, c: Candidate, limit: int, budget_bytes: int | None, strategy: str) -> Candidate:
+        """``c``, measured, if it measures at most ``limit``; else (a nested plan the replay under-predicted)
+        the choice made again: without that plan where it is not the lowest plan (whose peak :meth:`lowest`
+        measured) and fewer than ``NESTED_MISSES`` have missed so far, else with a nested search that
+        measures its moves."""
+        return c if self._measured_within(c, limit) else self.choose(budget_bytes, strategy)
+
+    def _measured_within(self, c: Candidate, limit: int) -> bool:
+        """True if ``c`` is measured already or measures at most ``limit``; else (a nested plan the replay
+        under-predicted) False, that plan judged by its measured peak from now on where it is not the lowest
+        plan and fewer than ``NESTED_MISSES`` have missed so far, else the replay distrusted."""
+        if c.measured is not None:
+            return True
+        m = self.measure(c)
+        if m is not None and m <= limit:
+            return True
+        self._misses += 1
+        if c is not self._lowest and self._misses < NESTED_MISSES and self._correct_nested(c, m):
+            logger.debug("a nested plan measured %s bytes, replayed %d: the next cheapest", m, c.replayed)
+        else:
+            self._distrust(f"measured {m} bytes, replayed {c.replayed}, needed at most {limit}")
+        return False
+
+    def _correct_nested(self, c: Candidate, measured: int | None) -> bool:
+        """Have the nested search judge its plan ``c`` by ``measured`` (None: rejected) instead of its replay
+        (:meth:`fxplan.planner.nested.NestedSearch.correct`); False if ``c`` is not one of its plans."""
+        key = next((k for k, v in self._nested_candidates.items() if v is c), None)
+        if key is not None:
+            self._nested.correct(key[0], sys.maxsize if measured is None else measured)
+        return key is not None
+
+    def cheaper_nested(self, budget: int, recompute: float) -> Candidate | None:
+        """The nested plan of least recomputation that measures at most ``budget``, where it recomputes less than
+        ``recompute`` (a canonical plan's that fits); else None. The nested plans are the ones :meth:`lowest`
+        finds, the same at every budget, so a budget above the canonical plans' smallest peak is not given more
+        recomputation than a nested plan that fits it (which a smaller budget is given). They are looked for
+        only where ``recompute`` is at least that of the least recomputing of the plans at the other solvers'
+        smallest peaks (:meth:`floor`; Chen's: all its plans), near which the nested search starts: the search
+        costs fake steps (at a middle budget of the synthetic 3,000-node network, 33 s became 100 s), and
+        budgets well above the smallest peak have canonical plans that recompute less. Not a bound: a nested plan
+        may recompute less than every one of those plans (a tiny Llama's smallest nested plan over every
+        unit, 0.78 against 1.28) and so beat a canonical plan that recomputes less than they do."""
+        if recompute <= 0:
+            return None
+        reference = self.floor() or list(self._walk())
+        if not reference or recompute < min(c.recompute for c in reference):
+            return None
+        while True:
+            self.lowest()
+            c = self._nested_fit(budget)
+            if c is None or c.recompute >= recompute:
+                return None
+            if self._measured_within(c, budget):
+                return c
+
+    def _nested_fit(self, budget: int) -> Candidate | None:
+        """The nested plan of least recomputation measured by :meth:`lowest` whose peak is at most ``budget``."""
+        got = self._nested.cheapest(budget) if self._nested is not None else None
+        if got is None:
+            return None
+        return self._nested_candidate(*got)
+
+    def _nested_candidate(self, found: NestedResult, seed: Plan) -> Candidate:
+        """A nested plan the nested search found (from the plan ``seed``), as a candidate of its measured peak
+        and code (:meth:`result` generates its module); not measured yet where the search ranked by replay
+        (``found.code`` None: ``found.measured`` is its replayed peak). One candidate per plan, so that each
+        is measured at most once."""
+        key = (repr(found.blocks), found.recompute_fraction)
+        if key not in self._nested_candidates:
+            self._nested_candidates[key] = Candidate(found.plan(self.cg, seed), peaks=(found.measured, []))
+        c = self._nested_candidates[key]
+        if c.measured is None and found.code is not None:
+            c.measured, c.code = found.measured, found.code
+        return c
+
+    def _seeds(self, trusted: bool, best: Candidate) -> list[list[Candidate]]:
+        """Where the nested search starts, one list per solver: ``best`` (the smallest candidate), then the
+        smallest of each other solver's candidates (so a DP solver's search starts where ``solver="chen"``'s
+        does, and ends at most as high); after each, its solver's other plans whose replay is within the margin
+        of :meth:`_may_fit` of the first's peak, by peak (at most ``SEEDS_PER_SOLVER`` in all; ``trusted``: by
+        replayed peaks alone, measuring none and reading no measurement, so that the search is the same before
+        and after the candidates are measured), each searched while the solver's budget of measurements lasts
+        (:meth:`lowest` keeps the lowest; the budget is per solver, so that the search from Chen's plans
+        is the one ``solver="chen"`` makes). The search is local, and where it ends depends on where it
+        starts: on ResNet-50 at batch 96 it lowers nothing from the approximate DP's smallest plan (2.39
+        GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB (docs/rewrite.md); at batch 8 four of Chen's plans
+        measure the same peak and lead to different ends."""
+        by_solver: dict[str, list[Candidate]] = {}  # a plan several solvers have is in each one's list
+        for c in [*self._bottom(), *self.floor()]:
+            for solver in sorted(c.solvers):
+                by_solver.setdefault(solver, []).append(c)
+        groups = []
+        for solver, group in sorted(by_solver.items(), key=lambda item: item[0] != best.plan.solver):
+            if solver == best.plan.solver:
+                low = best
+            elif trusted:
+                low = next(in_replay_order(group, lambda c: False))
+            else:
+                low = self._smallest_of(group)
+            if low is None:
+                continue
+            if trusted:
+                near = [c for c in group if c is not low and not c.rejected
+                        and c.replayed_up_to(low.replayed / (1 - MARGIN)) * (1 - MARGIN) <= low.replayed]
+                others = sorted(near, key=lambda c: (c.replayed, c.recompute))
+            else:
+                near = [c for c in group if c is not low and not c.rejected and self._may_fit(c, low.peak)]
+                others = sorted((c for c in near if self.measure(c) is not None), key=lambda c: (c.peak, c.recompute))
+            groups.append([low, *others][:SEEDS_PER_SOLVER])
+        return groups
+
+    def least_recompute(self, budget: int, near_smallest: bool = False) -> Candidate | None:
+        """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak);
+        ``near_smallest``: a budget within ``NEGLIGIBLE`` of the smallest peak, which only the frontier's bottom
+        (:meth:`_bottom`) may fit.
+
+        Where nothing is measured yet, the first measurement is of the candidate of least recomputation that
+        the replay says fits: where the replay is right, it is trusted from then on (:meth:`could_fit`) and
+        that candidate is the answer, in one fake step."""
+        walk = self._bottom if near_smallest else self._walk
+        if self.trust_replay and not self.measured_candidates():
+            first = next((c for plans in (walk, self.floor) for c in plans()
+                          if c.replayed_up_to(budget) <= budget), None)
+            if first is not None:
+                self.measure(first)
+        found: Candidate | None = None
+        for c in walk():  # recomputation never decreases along the walk
+            if found is not None and c.recompute > found.recompute:
+                break
+            found = self._better(c, found, budget)
+        if found is None or found.recompute > 0:
+            for c in self.floor():
+                if found is not None and c.recompute > found.recompute:
+                    break
+                found = self._better(c, found, budget)
+        return found
+
+    def by_recompute(self, floor: bool = True) -> Iterator[Candidate]:
+        """The candidates in order of non-decreasing recomputation, generated as they are asked for: the walk's,
+        and (``floor``) the other solvers' smallest plans (:meth:`floor`, made once a plan that recomputes
+        anything is asked for)."""
+        walk = self._walk()
+        first = next(walk, None)
+        if first is not None:
+            yield first
+        if floor:
+            yield from heapq.merge(walk, self.floor(), key=lambda c: c.recompute)
+        else:
+            yield from walk
+
+    def could_fit(self, c: Candidate, budget: int, trusted: bool) -> bool:
+        """False if ``c``'s replayed peak rules out a measured peak within ``budget``: by more than ``TRUST``
+        where the replay is ``trusted`` (every candidate measured so far replayed within it), else by the
+        margin of :meth:`_may_fit`."""
+        if trusted:
+            return c.replayed_up_to(budget / (1 - TRUST)) * (1 - TRUST) <= budget
+        return self._may_fit(c, budget)
+
+    def _better(self, c: Candidate, found: Candidate | None, budget: int) -> Candidate | None:
+        """``c`` if it fits ``budget`` and beats ``found`` (less recomputation, ties: lower peak), else ``found``;
+        ``c`` is measured unless :meth:`could_fit` rules it out."""
+        if not self.could_fit(c, budget, self._trusted()):
+            return found
+        m = self.measure(c)
+        if m is None or m > budget:
+            return found
+        if found is None or (c.recompute, m) < (found.recompute, found.measured):
+            return c
+        return found
+
+    def choose(self, budget_bytes: int | None, strategy: str) -> Candidate:
+        """The candidate for a whole-step budget (bytes; None: the smallest) and strategy (module docstring)."""
+        check_choices(strategy, "approx")
+        if strategy == "memory" or budget_bytes is None:
+            best = self.lowest()
+            if budget_bytes is not None and best.measured > budget_bytes:  # a nested plan may still fit
+                nested = self._nested_fit(budget_bytes)
+                if nested is None:
+                    raise self.infeasible(budget_bytes, best.measured)
+                return self._confirmed(nested, budget_bytes, budget_bytes, strategy)
+            limit = best.measured if strategy == "memory" else math.floor(best.measured * (1 + NEGLIGIBLE))
+            fits = [best, self._nested_fit(limit)] + ([] if strategy == "memory" else
+                                                      [self.least_recompute(limit, near_smallest=True)])
+            found = min((c for c in fits if c is not None), key=lambda c: (c.recompute, c.peak))
+            return self._confirmed(found, limit, budget_bytes, strategy)
+        found = self.least_recompute(budget_bytes)
+        if found is not None:
+            return self.cheaper_nested(budget_bytes, found.recompute) or found
+        lowest = self.lowest()  # below every canonical plan: the cheapest nested one that fits
+        found = self._nested_fit(budget_bytes) or lowest
+        if found.peak > budget_bytes:
+            raise self.infeasible(budget_bytes, lowest.measured)
+        return self._confirmed(found, budget_bytes, budget_bytes, strategy)
+
+    def infeasible(self, budget_bytes: int, smallest: int) -> BudgetError:
+        """The :class:`BudgetError` for ``budget_bytes``, ``smallest`` the least measured peak found."""
+        if self.solver == "chen":
+            whose = "Chen's plans reach (solver='chen', the paper's baseline; the DP solvers may reach lower)"
+        else:
+            whose = f"fxplan reaches (solver={self.solver!r}, its search including Chen's and the other DP's plans)"
+        return BudgetError(
+            f"no plan fits a measured peak of {budget_bytes / GiB:.3f} GiB ({budget_bytes} bytes); the smallest "
+            f"measured peak {whose} is {smallest / GiB:.3f} GiB ({smallest} bytes). Raise the budget to at "
+            f"least that (budget_bytes={smallest} is accepted) or reduce the batch size.",
+            min_feasible_bytes=smallest,
+        )
+
+    def _early_stop(self, p: Plan) -> float:
+        """``Plan.early_stop_fraction`` of ``p``."""
+        T = {v: self.cg.nodes[v]["T"] for v in self.cg.nodes}
+        blocks = subplans.tree(p.segments, p.children)
+        return subplans.early_stop_cost(blocks, subplans.SaveFacts.of(self.cg.nodes), T) / (sum(T.values()) or 1.0)
+
+    def result(self, c: Candidate, budget_bytes: int | None) -> SegmentedModule:
+        """The chosen candidate's module, carrying its plan with replayed and measured peaks."""
+        if c.module is None:
+            c.module = self.meter.module(c.plan.segments, c.plan.children, c.code)
+        plan = replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
+                       memory_model=c.plan.memory_model if c.plan.children else "replay",
+                       measured_peak_bytes=c.measured, budget_bytes=budget_bytes,
+                       T_seconds=self.cg.graph.get("T_seconds"), early_stop_fraction=self._early_stop(c.plan))
+        c.module.fxplan_plan = plan
+        c.module.fxplan_measured_peak_bytes = c.measured
+        return c.module
+
+
+def in_replay_order(candidates: list[Candidate], done: Callable[[Candidate], bool]) -> Iterator[Candidate]:
+    """``candidates`` by replayed peak (ties: least recomputation, then their order), until ``done(c)`` says the
+    caller needs no candidate from ``c`` on; ``done`` must be monotone in the replayed peak, as it is asked
+    with a lower bound of it (:meth:`Candidate.replayed_up_to`). Each is replayed only as far as it could
+    still come next: a search for the smallest peak replays the top of a time-centric frontier (little
+    recomputation, a peak several times the smallest) until its peak passes the least seen so far."""
+    least: float = math.inf
+    heap: list[tuple[int, float, int, bool, Candidate]] = []
+    for n, c in sorted(enumerate(candidates), key=lambda nc: nc[1].plan.predicted_peak_bytes or 0):
+        value = c.replayed_up_to(least * (1 + _REPLAY_WINDOW))
+        exact = c.peaks is not None
+        if exact:
+            least = min(least, value)
+        heapq.heappush(heap, (value, c.recompute, n, exact, c))
+    while heap:
+        value, recompute, n, exact, c = heap[0]
+        if done(c):
+            return
+        heapq.heappop(heap)
+        if exact:
+            yield c
+        else:
+            heapq.heappush(heap, (c.replayed, recompute, n, True, c))
+
+
+#: How far above the least replayed peak seen so far :func:`in_replay_order` replays candidates in full at
+#: first; those above it are replayed to the end only if the caller asks for them.
+_REPLAY_WINDOW = 2 * MARGIN
+
+
+def replayed_within_trust(measured: list[Candidate]) -> bool:
+    """True if every one of ``measured`` (one at least) replayed within ``TRUST`` of its measured peak."""
+    return bool(measured) and all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
+
+
+def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Plan]:
+    """For a DP solver, the other planners' plans at their smallest peaks: Chen's plans, and the other
+    DP's time-centric plan at its smallest budget and memory-centric plan (where its family of lower
+    sets differs from this solver's; otherwise its plans are this solver's). They join the candidates so
+    that the smallest measured peak a DP solver reports is at most every planner's smallest plan's, whichever
+    solver was asked for (issue 12, point 1); where the other DP refuses (the exact DP over more moves
+    than its cap), without its plans. ``solver="chen"`` stays the paper's baseline: none.
+    """
+    if solver == "chen":
+        return []
+    lower_sets, pruned = exact_family_size(cg), dp.context(cg, SWEEP).family(False).S
+    plans = chen_plans(cg, model)
+    other = "exact" if solver == "approx" else "approx"
+    if lower_sets != pruned and (other == "approx" or lower_sets is not None):
+        try:
+            resident = resident_bytes(cg, model)
+            lo = min_budget_bytes_graph(cg, model, solver=other, memory_model=SWEEP, resident=resident)
+            plans += [plan_graph(cg, model, lo, strategy="time", solver=other, memory_model=SWEEP, resident=resident),
+                      plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP,
+                                 resident=resident)]
+        except FxplanError as exc:  # the exact DP's caps (moves, time): its plans are extras, not the answer
+            logger.info("fxplan: no %s DP floor plans: %s", other, exc)
+    return plans
