@@ -7,13 +7,14 @@ Public modules besides what is re-exported here: ``fxplan.costs.trace`` (model -
 
 from fxplan import bptt
 from fxplan.api import min_budget_bytes, plan, rewrite
+from fxplan.apply.auto import AppliedPlan, auto_checkpoint, remove_checkpoints
 from fxplan.errors import BudgetError, FxplanError, TraceError
 from fxplan.measure.meter import StepStats, measure_step, track_memory
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.plans import Plan
 
 __all__ = [
-    "BudgetError", "CostGraph", "bptt", "FxplanError", "Plan", "StepStats", "TraceError", "measure_step",
-    "min_budget_bytes", "plan", "rewrite", "track_memory",
+    "AppliedPlan", "BudgetError", "CostGraph", "FxplanError", "Plan", "StepStats", "TraceError", "auto_checkpoint",
+    "bptt", "measure_step", "min_budget_bytes", "plan", "remove_checkpoints", "rewrite", "track_memory",
 ]
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ from fxplan.common import collector
 from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import GiB, measure_step
-from fxplan.planner.planning import budget_to_bytes, check_choices
+from fxplan.planner.planning import check_choices, whole_step_budget
 from fxplan.planner.variants import Searches
 from fxplan.rewriter.codegen import SegmentedModule, segment_module
 from fxplan.solvers.costgraph import CostGraph
@@ -125,17 +125,6 @@ def _captured_for(model: torch.nn.Module, example_inputs: Sequence[Any] | None) 
     if example_inputs is not None:
         return capture(model, example_inputs)
     return Captured(symbolic_trace_module(model), "symbolic_trace", None)
-
-
-def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
-    """The budget in bytes from either spelling (GiB rounded up to a whole byte, or bytes)."""
-    if budget_bytes is None:
-        return budget_to_bytes(budget_gb)
-    if budget_gb is not None:
-        raise FxplanError("give the budget once: budget_gb or budget_bytes, not both")
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise FxplanError(f"budget_bytes must be a positive whole number of bytes, got {budget_bytes!r}")
-    return budget_bytes
 
 
 @caches_kept_real()

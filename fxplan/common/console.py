@@ -92,6 +92,15 @@ class Step:
         self._last_output = time.perf_counter()
 
 
+def format_bytes(n: float) -> str:
+    """A size in the unit that fits it: ``512 B``, ``3.2 KiB``, ``118.0 MiB``, ``7.71 GiB``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.2f} {unit}" if unit == "GiB" else f"{value:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain aligned text table: numeric columns right-aligned, text columns left-aligned."""
     cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]

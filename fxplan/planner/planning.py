@@ -48,6 +48,17 @@ def budget_to_bytes(budget_gb: float | None) -> int | None:
     return math.ceil(budget_gb * GiB)
 
 
+def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int | None:
+    """The budget in bytes from either spelling (GiB rounded up to a whole byte, or bytes)."""
+    if budget_bytes is None:
+        return budget_to_bytes(budget_gb)
+    if budget_gb is not None:
+        raise FxplanError("give the budget once: budget_gb or budget_bytes, not both")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise FxplanError(f"budget_bytes must be a positive whole number of bytes, got {budget_bytes!r}")
+    return budget_bytes
+
+
 def check_choices(strategy: str, solver: str) -> None:
     """Raise a clear FxplanError for an unknown strategy or solver name."""
     if solver not in SOLVERS:

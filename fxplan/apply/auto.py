@@ -1,0 +1,366 @@
+"""``fxplan.auto_checkpoint``: the plan for a budget, applied to the model's own modules, measured.
+
+The planner's candidates (:class:`~fxplan.planner.variants.Searches`, the search ``fxplan.rewrite`` runs) are
+plans of the captured graph; each is carried onto the model as checkpointed regions with per-op decisions
+(:mod:`fxplan.apply.regions`), and the model so applied is measured on fake tensors (one step, exact). The search
+starts from the rewrite's plan for the budget and, while the applied plan measures above the budget, asks the
+planner for the plan of a budget lowered by the excess, down to the planner's smallest: what a plan loses in
+the mapping is measured, never assumed. The answer is the first that fits; a :class:`~fxplan.errors.BudgetError`
+names the smallest peak measured. Plans are kept per model class, input shapes and settings in this process, so
+a second model of the same class and shapes is applied without planning again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from fxplan.apply import runtime
+from fxplan.apply.op_map import node_ops
+from fxplan.apply.regions import RegionPlan, regions_for
+from fxplan.capture.capturers import ExampleCall, as_call
+from fxplan.capture.fakes import caches_kept_real
+from fxplan.common import collector
+from fxplan.common.console import format_bytes
+from fxplan.costs.trace import trace
+from fxplan.errors import BudgetError, FxplanError
+from fxplan.measure.meter import measure_step
+from fxplan.planner.planning import check_choices, whole_step_budget
+from fxplan.planner.variants import Searches
+from fxplan.solvers.plans import Plan
+
+logger = logging.getLogger("fxplan")
+
+#: At most this many plans are applied and measured before the search gives the smallest it found.
+MAX_TRIES = 6
+
+_KEPT: dict[tuple, AppliedPlan] = {}  # plans made in this process, by model class, input shapes and settings
+
+
+@dataclass
+class AppliedPlan:
+    """A plan as applied to a model's modules: the checkpointed regions, what a step measured, and for what."""
+
+    model_class: str
+    input_shapes: str
+    regions: list[RegionPlan]
+    measured_peak_bytes: int
+    vanilla_peak_bytes: int
+    budget_bytes: int | None
+    graph_plan: Plan | None = field(default=None, repr=False)  # the planner's plan it carries (not saved)
+    recompute_fraction: float = 0.0  # of one forward pass's cost, as the cost graph prices the recomputed nodes
+
+    def summary(self) -> str:
+        saved = sum(r.saved_calls for r in self.regions)
+        calls = sum(len(r.ops) for r in self.regions)
+        budget = "the smallest peak" if self.budget_bytes is None else f"a budget of {format_bytes(self.budget_bytes)}"
+        lines = [
+            f"fxplan plan applied to {self.model_class} for {budget} (input shapes {self.input_shapes})",
+            f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
+            f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; fake tensors, exact)",
+            f"  {_count(len(self.regions), 'checkpointed module')}; of their {_count(calls, 'op call')}, "
+            f"{saved} saved and {calls - saved} recomputed in backward",
+            f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass (cost model)",
+        ]
+        for r in self.regions[:12]:
+            lines.append(f"    {r.path}: {r.saved_calls} of {len(r.ops)} op calls saved")
+        if len(self.regions) > 12:
+            lines.append(f"    ... and {len(self.regions) - 12} more")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "model_class": self.model_class, "input_shapes": self.input_shapes,
+            "regions": [r.to_dict() for r in self.regions], "measured_peak_bytes": self.measured_peak_bytes,
+            "vanilla_peak_bytes": self.vanilla_peak_bytes, "budget_bytes": self.budget_bytes,
+            "recompute_fraction": self.recompute_fraction,
+        })
+
+    @staticmethod
+    def from_json(text: str) -> AppliedPlan:
+        d = json.loads(text)
+        return AppliedPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
+                           d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
+                           recompute_fraction=d.get("recompute_fraction", 0.0))
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+@caches_kept_real()
+@collector.spared()
+def auto_checkpoint(
+    model: torch.nn.Module,
+    budget_gb: float | None = None,
+    *,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    budget_bytes: int | None = None,
+    strategy: str = "time",
+    solver: str = "approx",
+    plan: AppliedPlan | None = None,
+) -> torch.nn.Module:
+    """Plan ``model`` for a budget and apply the plan to its own modules; returns ``model`` itself.
+
+    The budget is the peak of one whole training step as :func:`fxplan.measure_step` measures it, in GiB
+    (``budget_gb``) or bytes (``budget_bytes``); with neither, the smallest peak fxplan reaches this way.
+    ``example_inputs`` is one call of the model (a tuple, a dict of keyword arguments or one tensor);
+    ``loss_fn(output)`` the loss of the step (default: the sum of the outputs, or a Hugging Face output's
+    ``loss``). The model keeps its class, modules, parameters, ``state_dict`` keys, hooks and ``forward``;
+    some of its submodules run checkpointed (:mod:`fxplan.apply.runtime`). ``model.fxplan_plan`` is the
+    :class:`AppliedPlan` (``summary()``, ``to_json()``); :func:`remove_checkpoints` takes it off again.
+    ``plan`` applies a plan made before (for the same class; measured again on these inputs).
+
+    Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the smallest peak measured.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise FxplanError(f"fxplan.auto_checkpoint needs an nn.Module, got {type(model).__name__}")
+    _refuse_wrapped(model)
+    budget = whole_step_budget(budget_gb, budget_bytes)
+    check_choices(strategy, solver)
+    call = as_call(example_inputs)
+    remove_checkpoints(model)
+    shapes = _shapes(call)
+    key = (type(model).__qualname__, shapes, budget, strategy, solver, loss_fn)
+    if plan is None and key in _KEPT and _same_structure(model, _KEPT[key]):
+        plan = _KEPT[key]
+        logger.info("fxplan: applying the plan made for another %s of these shapes", type(model).__name__)
+    if plan is not None:
+        return _apply_given(model, plan, call, loss_fn)
+    applied = _search(model, call, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    _KEPT[key] = applied
+    runtime.install(model, applied.regions)
+    model.fxplan_plan = applied
+    return model
+
+
+def remove_checkpoints(model: torch.nn.Module) -> torch.nn.Module:
+    """Take an applied plan off ``model``: every module runs its own forward again. Returns ``model``."""
+    runtime.uninstall(model)
+    model.__dict__.pop("fxplan_plan", None)
+    return model
+
+
+def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall,
+                 loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.nn.Module:
+    if plan.model_class != type(model).__qualname__:
+        raise FxplanError(f"this plan was made for {plan.model_class}, not {type(model).__qualname__}; plan this "
+                          "model with fxplan.auto_checkpoint(model, ..., example_inputs=...)")
+    runtime.install(model, plan.regions)
+    measured = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
+    model.fxplan_plan = AppliedPlan(plan.model_class, _shapes(call), plan.regions, measured, plan.vanilla_peak_bytes,
+                                    plan.budget_bytes, plan.graph_plan, plan.recompute_fraction)
+    if plan.input_shapes != model.fxplan_plan.input_shapes:
+        logger.warning("fxplan: this plan was made for input shapes %s and is applied for %s (measured peak %s)",
+                       plan.input_shapes, model.fxplan_plan.input_shapes, format_bytes(measured))
+    return model
+
+
+def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, strategy: str, solver: str,
+            loss_fn: Callable[[Any], torch.Tensor] | None) -> AppliedPlan:
+    t0 = time.perf_counter()
+    vanilla = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
+    if budget is not None and budget >= vanilla:
+        logger.info("fxplan: the budget %s is above the unplanned peak %s: nothing to checkpoint",
+                    format_bytes(budget), format_bytes(vanilla))
+        return AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget)
+    cg = trace(model, call, probe_units=solver != "chen")
+    captured = cg.graph["captured"]
+    ops = node_ops(model, captured, call)
+    tree = _module_tree(model)
+    regionable = _regionable(model, call)
+    searches = Searches(cg, model, call, solver=solver, loss_fn=loss_fn)
+    logger.info("fxplan: traced %s (%d nodes) in %.1f s; applying plans to its modules", type(model).__name__,
+                cg.number_of_nodes(), time.perf_counter() - t0)
+    best: AppliedPlan | None = None
+    target, tried = budget, set()
+    for attempt in range(MAX_TRIES):
+        try:
+            choice = searches.choose(target, strategy, report_smallest=False)
+        except BudgetError:
+            if target is None or best is not None and best.budget_bytes is None:
+                break
+            target = None  # below the planner's smallest: try the smallest itself
+            continue
+        graph_plan = choice.variant.result(choice.candidate, target).fxplan_plan
+        signature = (tuple(map(tuple, graph_plan.segments)), tuple(graph_plan.regions or ()))
+        if signature in tried:
+            break
+        tried.add(signature)
+        applied = min((_applied(model, call, cg, ops, graph_plan, regions_for(
+            graph_plan, ops, captured.gm, tree, regionable, aligned=aligned), vanilla, budget, loss_fn)
+            for aligned in (False, True)), key=lambda a: (a.measured_peak_bytes, a.recompute_fraction))
+        logger.info("fxplan: plan %d: %s in %s, measured peak %s (asked %s)", attempt + 1,
+                    _count(len(applied.regions), "checkpointed module"), type(model).__name__,
+                    format_bytes(applied.measured_peak_bytes),
+                    "the smallest" if target is None else format_bytes(target))
+        if best is None or _better(applied, best, budget):
+            best = applied
+        if budget is not None and applied.measured_peak_bytes <= budget or target is None:
+            break
+        target = target - (applied.measured_peak_bytes - budget)
+    if best is None or budget is not None and best.measured_peak_bytes > budget:
+        smallest = best.measured_peak_bytes if best is not None else None
+        raise BudgetError(
+            f"fxplan.auto_checkpoint: no plan applied to {type(model).__name__}'s modules fits "
+            f"{format_bytes(budget)} per step; the smallest measured is "
+            f"{format_bytes(smallest) if smallest else 'unknown'} (budget_bytes={smallest}); "
+            "fxplan.rewrite, which is not bound to the model's modules, may reach lower", smallest)
+    logger.info("fxplan: applied %s to %s: measured peak %s (unplanned %s), planned in %.1f s",
+                _count(len(best.regions), "checkpointed module"), type(model).__name__,
+                format_bytes(best.measured_peak_bytes), format_bytes(vanilla), time.perf_counter() - t0)
+    return best
+
+
+def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, graph_plan: Plan,
+             regions: list[RegionPlan], vanilla: int, budget: int | None,
+             loss_fn: Callable[[Any], torch.Tensor] | None) -> AppliedPlan:
+    """``regions`` checked against the model's forward (:func:`_matched`), applied to it and measured (fake
+    tensors)."""
+    regions = _matched(model, call, regions, loss_fn)
+    peak = _measure_applied(model, call, regions, loss_fn)
+    return AppliedPlan(type(model).__qualname__, _shapes(call), regions, peak, vanilla, budget, graph_plan,
+                       _recompute_fraction(cg, ops, regions))
+
+
+def _better(a: AppliedPlan, b: AppliedPlan, budget: int | None) -> bool:
+    fits_a = budget is None or a.measured_peak_bytes <= budget
+    fits_b = budget is None or b.measured_peak_bytes <= budget
+    if fits_a != fits_b:
+        return fits_a
+    if budget is None or not fits_a:
+        return a.measured_peak_bytes < b.measured_peak_bytes
+    return a.recompute_fraction < b.recompute_fraction
+
+
+def _measure_applied(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
+                     loss_fn: Callable[[Any], torch.Tensor] | None) -> int:
+    runtime.install(model, regions)
+    try:
+        return measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
+    finally:
+        runtime.uninstall(model)
+
+
+def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
+             loss_fn: Callable[[Any], torch.Tensor] | None) -> list[RegionPlan]:
+    """``regions`` checked against the model's own forward (a fake step with the regions on): an operator
+    whose calls there are not the captured graph's (per operator, the same calls with the same output shapes)
+    is marked unmatched, and its calls get the policy's default (a graph from torch.export can build an
+    attention mask otherwise than the eager forward does); the decisions of the others fall on the calls
+    they were made for."""
+    if not regions:
+        return regions
+    runtime.install(model, regions)
+    try:
+        with runtime.verifying() as seen:
+            measure_step(model, call, fake=True, loss_fn=loss_fn)
+    finally:
+        runtime.uninstall(model)
+    checked = []
+    for r in regions:
+        expected, got = r.calls_by_op(), seen.get(r.path, {})
+        unmatched = tuple(sorted(op for op in set(expected) | set(got) if expected.get(op) != got.get(op)))
+        if unmatched:
+            logger.debug("fxplan: module %s: %s calls differ from the captured graph's", r.path, ", ".join(unmatched))
+        checked.append(replace(r, unmatched=unmatched))
+    return checked
+
+
+def _recompute_fraction(cg: Any, ops: dict, regions: list[RegionPlan]) -> float:
+    """The cost-graph share of one forward pass recomputed: nodes of the regions whose value is not saved."""
+    total = cg.total_T()
+    if not total:
+        return 0.0
+    recomputed = 0.0
+    region_paths = {r.path: r for r in regions}
+    for name, node in ops.items():
+        region = next((region_paths[p] for p in node.scope if p in region_paths), None)
+        if region is None or name not in cg:
+            continue
+        if any(c.makes_value for c in node.calls) and not _saved(region, node, ops):
+            recomputed += cg.nodes[name]["T"]
+    return recomputed / total
+
+
+def _saved(region: RegionPlan, node: Any, ops: dict) -> bool:
+    """Whether the call that makes ``node``'s value is saved in ``region``."""
+    index = 0
+    for other in ops.values():
+        if region.path not in other.scope:
+            continue
+        for c in other.calls:
+            if other is node and c.makes_value:
+                return region.save[index]
+            index += 1
+    return False
+
+
+def _module_tree(model: torch.nn.Module) -> dict[str, list[str]]:
+    tree: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        tree[path] = [f"{path}.{name}" if path else name for name, _ in module.named_children()]
+    return tree
+
+
+def _regionable(model: torch.nn.Module, call: ExampleCall) -> set[str]:
+    """The modules a fake step of ``model`` calls exactly once, with arguments that are tensors, numbers,
+    strings, None and containers of them: a region's decisions are for one call, and recomputation calls it
+    again with the same arguments, which another object (a Hugging Face ``DynamicCache`` the layer appends to)
+    would not be."""
+    counts: dict[str, int] = {}
+    others: dict[str, str] = {}  # module path -> the type of an argument that is not plain
+    handles = []
+    for path, module in model.named_modules():
+        def hook(_m, args, kwargs, path=path):
+            counts[path] = counts.get(path, 0) + 1
+            for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if not _plain(leaf):
+                    others[path] = type(leaf).__name__
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        measure_step(model, call, fake=True)
+    finally:
+        for h in handles:
+            h.remove()
+    if others:
+        named = sorted(others)
+        hint = ("; a Hugging Face model trained with use_cache=False (model.config.use_cache = False) keeps no cache "
+                "and lets fxplan checkpoint its layers") if any(t.endswith("Cache") for t in others.values()) else ""
+        logger.info("fxplan: %s called with objects other than tensors (%s: %s%s) left unchanged%s",
+                    _count(len(named), "module"), named[0], others[named[0]],
+                    f", and {len(named) - 1} more" if len(named) > 1 else "", hint)
+    return {path for path, n in counts.items() if n == 1 and path not in others}
+
+
+def _plain(leaf: Any) -> bool:
+    return leaf is None or isinstance(leaf, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device))
+
+
+def _same_structure(model: torch.nn.Module, plan: AppliedPlan) -> bool:
+    names = {name for name, _ in model.named_modules()}
+    return all(r.path in names for r in plan.regions)
+
+
+def _shapes(call: ExampleCall) -> str:
+    leaves = torch.utils._pytree.tree_leaves((call.args, call.kwargs))
+    return ", ".join("x".join(map(str, t.shape)) + f" {str(t.dtype).removeprefix('torch.')}"
+                     for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _refuse_wrapped(model: torch.nn.Module) -> None:
+    """Models that another wrapper already owns are planned before it wraps them: say so in plain words."""
+    if any(type(m).__name__ in ("FSDPModule",) or type(m).__name__.startswith("FSDP") for m in model.modules()):
+        raise FxplanError(f"{type(model).__name__} is already sharded with FSDP: call fxplan.auto_checkpoint "
+                          "before fully_shard (plan first, then shard)")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise FxplanError("the model is wrapped in DistributedDataParallel: call fxplan.auto_checkpoint on the "
+                          "model before wrapping it")
+

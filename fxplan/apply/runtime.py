@@ -1,0 +1,135 @@
+"""The checkpointed regions at run time: a module's ``forward`` under ``torch.utils.checkpoint`` with a policy.
+
+:func:`install` gives each region's module an instance attribute ``forward``, a :class:`CheckpointedForward`
+that calls the module's own forward under non-reentrant ``torch.utils.checkpoint`` with a selective-checkpoint
+policy (:class:`RegionPolicy`) made from the region's decisions; :func:`uninstall` takes it away again. The
+module's class, hooks, parameters and names are untouched (FSDP2's and Hugging Face's hooks run around the
+checkpointed call), and torch.compile traces the checkpoint with its ``MUST_SAVE`` / ``MUST_RECOMPUTE``
+decisions. Checkpointing keeps the random state of the forward pass for recomputation, so dropout masks are
+drawn once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fxplan.apply.op_map import op_name, shape_of, storage_key, written_storages
+from fxplan.apply.regions import RegionPlan
+from fxplan.errors import FxplanError
+
+#: While a verification step runs: per region path, per operator, the output shapes of the calls its policy was
+#: asked about in the forward.
+_SEEN: dict[str, dict[str, list[str]]] | None = None
+
+
+class RegionPolicy:
+    """The decisions of one region for one call of its forward: the ``n``-th call of an operator is saved or
+    recomputed as the region's plan says. A call the plan has no decision for is recomputed, unless it writes a
+    tensor the region did not make (saved, so that recomputation never writes it twice)."""
+
+    def __init__(self, region: RegionPlan, decisions: dict[str, tuple[bool, ...]]):
+        self.region = region
+        self.decisions = decisions
+        self.counts: dict[str, int] = defaultdict(int)
+        self.made: set[int] = set()  # storages the region's forward made so far
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if ctx.is_recompute:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        name = _name(func)
+        output = getattr(ctx, "op_output", None)
+        if _SEEN is not None:
+            _SEEN.setdefault(self.region.path, {}).setdefault(name, []).append(shape_of(output))
+        i = self.counts[name]
+        self.counts[name] += 1
+        flags = self.decisions.get(name)
+        if flags is not None and i < len(flags):
+            decision = flags[i]
+        else:
+            decision = any(s not in self.made for s in written_storages(func, args, kwargs))
+        self.made.update(storage_key(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+        return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.MUST_RECOMPUTE
+
+
+@functools.lru_cache(maxsize=None)
+def _name(func: Any) -> str:
+    return op_name(func)
+
+
+class CheckpointedForward:
+    """A module's forward run under a checkpointed region (module docstring). Runs the forward as it is where
+    nothing needs gradients (``torch.no_grad()``, inference)."""
+
+    def __init__(self, module: torch.nn.Module, region: RegionPlan, previous: Any):
+        self.module = module
+        self.region = region
+        self.previous = previous  # an instance ``forward`` the module had before (another library's wrapper)
+        self.decisions = region.decisions()
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def _contexts(self):
+        # A saved call that writes a buffer in place (BatchNorm's num_batches_tracked.add_) returns that buffer,
+        # whose version torch's check of cached tensors sees move; no call of a region overwrites a saved value
+        # otherwise (fxplan.apply.regions), so the check is off.
+        return create_selective_checkpoint_contexts(RegionPolicy(self.region, self.decisions),
+                                                    allow_cache_entry_mutation=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)
+        return checkpoint(self.original, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+
+
+def install(model: torch.nn.Module, regions: list[RegionPlan]) -> None:
+    """Give every region's module its checkpointed forward (module docstring)."""
+    modules = dict(model.named_modules())
+    missing = [r.path for r in regions if r.path not in modules]
+    if missing:
+        raise FxplanError(f"the plan names modules {type(model).__name__} does not have ({', '.join(missing[:3])}): "
+                          "it was made for another model; plan this one (fxplan.auto_checkpoint without plan=)")
+    for region in regions:
+        module = modules[region.path]
+        previous = module.__dict__.get("forward")
+        if isinstance(previous, CheckpointedForward):
+            previous = previous.previous
+        module.forward = CheckpointedForward(module, region, previous)
+
+
+def uninstall(model: torch.nn.Module) -> int:
+    """Take every checkpointed forward off ``model``'s modules (each gets back what it had); how many."""
+    removed = 0
+    for module in model.modules():
+        current = module.__dict__.get("forward")
+        if isinstance(current, CheckpointedForward):
+            if current.previous is not None:
+                module.forward = current.previous
+            else:
+                del module.forward
+            removed += 1
+    return removed
+
+
+def verifying() -> _Verification:
+    """A context in which every region's policy records the operators its forward runs (:data:`_SEEN`)."""
+    return _Verification()
+
+
+class _Verification:
+    def __enter__(self) -> dict[str, dict[str, list[str]]]:
+        global _SEEN
+        _SEEN = {}
+        return _SEEN
+
+    def __exit__(self, *exc: Any) -> None:
+        global _SEEN
+        _SEEN = None

@@ -1,0 +1,184 @@
+"""fxplan.auto_checkpoint: the plan applied to the model's own modules, exact, measured, and reversible."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import fxplan
+from fxplan.apply.regions import RegionPlan
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_gpt2(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64, use_cache=False)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _loss(output):
+    return output.loss
+
+
+def _step(model: nn.Module, batch: dict, seed: int = 1):
+    torch.manual_seed(seed)  # the same dropout masks for both models
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def planned_gpt2():
+    """A tiny GPT-2 planned at its smallest peak, beside an unplanned copy."""
+    model = _tiny_gpt2()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    result = fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss)
+    return result, model, reference, batch
+
+
+def test_returns_the_model_itself_with_its_class_names_and_signature(planned_gpt2):
+    result, model, reference, _ = planned_gpt2
+    assert result is model
+    assert type(model) is type(reference)
+    assert list(model.state_dict()) == list(reference.state_dict())
+    assert [n for n, _ in model.named_modules()] == [n for n, _ in reference.named_modules()]
+    assert inspect.signature(model.forward) == inspect.signature(reference.forward)
+    assert model.fxplan_plan.regions, "the smallest peak checkpoints some modules"
+
+
+def test_steps_are_bitwise_equal_and_the_peak_is_lower(planned_gpt2):
+    _, model, reference, batch = planned_gpt2
+    for seed in (1, 2):  # two steps: dropout draws, gradients accumulated
+        loss, grads = _step(model, batch, seed)
+        ref_loss, ref_grads = _step(reference, batch, seed)
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    plan = model.fxplan_plan
+    real = fxplan.measure_step(model, batch, loss_fn=_loss).peak_bytes
+    unplanned = fxplan.measure_step(reference, batch, loss_fn=_loss).peak_bytes
+    assert real < unplanned
+    assert real <= plan.measured_peak_bytes  # the real step peaks where the fake one said
+    assert plan.vanilla_peak_bytes == unplanned
+
+
+def test_a_budget_is_held_or_refused_with_the_smallest_peak():
+    model = _tiny_gpt2()
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
+    budget = int(0.85 * vanilla)
+    fxplan.auto_checkpoint(model, budget_bytes=budget, example_inputs=batch, loss_fn=_loss)
+    assert model.fxplan_plan.measured_peak_bytes <= budget
+    assert fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes <= budget
+    with pytest.raises(fxplan.BudgetError) as refused:
+        fxplan.auto_checkpoint(_tiny_gpt2(), budget_bytes=vanilla // 10, example_inputs=batch, loss_fn=_loss)
+    smallest = refused.value.min_feasible_bytes
+    assert smallest is not None and vanilla // 10 < smallest < vanilla
+
+
+def test_plan_comes_off_and_goes_on_again_through_json(planned_gpt2):
+    _, model, _, batch = planned_gpt2
+    plan = model.fxplan_plan
+    text = plan.to_json()
+    fresh = _tiny_gpt2(seed=3)
+    fxplan.auto_checkpoint(fresh, example_inputs=batch, loss_fn=_loss, plan=fxplan.AppliedPlan.from_json(text))
+    assert [r.path for r in fresh.fxplan_plan.regions] == [r.path for r in plan.regions]
+    assert fresh.fxplan_plan.measured_peak_bytes == plan.measured_peak_bytes
+    fxplan.remove_checkpoints(fresh)
+    assert not any("forward" in vars(m) for m in fresh.modules())
+    assert "fxplan_plan" not in vars(fresh)
+    assert "checkpointed module" in plan.summary()
+
+
+def test_a_plan_for_another_class_is_refused(planned_gpt2):
+    _, model, _, _ = planned_gpt2
+    with pytest.raises(fxplan.FxplanError, match="made for GPT2LMHeadModel"):
+        fxplan.auto_checkpoint(nn.Linear(4, 4), example_inputs=(torch.randn(2, 4),), plan=model.fxplan_plan)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.conv = nn.Conv2d(width, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.bn(self.conv(x))))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.Sequential(*[_Block(16) for _ in range(4)])
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def test_batchnorm_buffers_and_dropout_stay_exact():
+    torch.manual_seed(0)
+    model = _Net()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 3, 32, 32)
+    fxplan.auto_checkpoint(model, example_inputs=(x,))
+    assert model.fxplan_plan.regions
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model(x).sum().backward()
+        torch.manual_seed(seed)
+        reference(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name  # running statistics updated once per step, as in the model
+    with torch.no_grad():  # evaluation runs the modules' own forward
+        model.eval(), reference.eval()
+        assert torch.equal(model(x), reference(x))
+
+
+def test_region_json_round_trip_keeps_decisions():
+    region = RegionPlan("blocks.0", ("aten.mm.default", "aten.relu.default", "aten.mm.default"),
+                        (True, False, False), ("4x4", "4x4", "4x4"), ("aten.relu.default",))
+    again = RegionPlan.from_dict(region.to_dict())
+    assert again == region
+    assert again.decisions() == {"aten.mm.default": (True, False)}
+
+
+def test_trainer_with_default_arguments_trains_the_planned_model(tmp_path):
+    """Trainer keeps the dataset's columns (the signature is the model's), and its losses are the unplanned
+    model's; save_pretrained / from_pretrained round trip with GPT-2's tied weights."""
+    pytest.importorskip("accelerate")
+    ids = torch.randint(0, 1000, (12, 64), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": row, "labels": row} for row in ids]
+
+    def train(model, out):
+        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=3,
+                                              logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                                              save_strategy="no", disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], trainer
+
+    planned = _tiny_gpt2()
+    batch = {"input_ids": ids[:4], "labels": ids[:4]}
+    vanilla = fxplan.measure_step(planned, batch, fake=True, loss_fn=_loss).peak_bytes
+    fxplan.auto_checkpoint(planned, budget_bytes=int(0.85 * vanilla), example_inputs=batch, loss_fn=_loss)
+    losses, trainer = train(planned, tmp_path / "planned")
+    reference, _ = train(_tiny_gpt2(), tmp_path / "reference")
+    assert len(losses) == 3 and losses == reference
+    trainer.save_model(str(tmp_path / "saved"))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved"))
+    for (name, a), (_, b) in zip(planned.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert planned.generate(ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
