@@ -194,9 +194,16 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
         if signature in tried:
             break
         tried.add(signature)
-        applied = min((_applied(model, call, cg, ops, graph_plan, regions_for(
+        made = [_applied(model, call, cg, ops, graph_plan, regions_for(
             graph_plan, ops, captured.gm, tree, regionable, aligned=aligned), vanilla, budget, loss_fn)
-            for aligned in (False, True)), key=lambda a: (a.measured_peak_bytes, a.recompute_fraction))
+            for aligned in (False, True)]
+        made = [a for a in made if a is not None]
+        if not made:  # neither mapping trains: try the smallest plan, which maps otherwise
+            if target is None:
+                break
+            target = None
+            continue
+        applied = min(made, key=lambda a: (a.measured_peak_bytes, a.recompute_fraction))
         logger.info("fxplan: plan %d: %s in %s, measured peak %s (asked %s)", attempt + 1,
                     _count(len(applied.regions), "checkpointed module"), type(model).__name__,
                     format_bytes(applied.measured_peak_bytes),
@@ -206,12 +213,16 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
         if budget is not None and applied.measured_peak_bytes <= budget or target is None:
             break
         target = target - (applied.measured_peak_bytes - budget)
-    if best is None or budget is not None and best.measured_peak_bytes > budget:
-        smallest = best.measured_peak_bytes if best is not None else None
+    if best is None:
+        logger.info("fxplan: no plan applied to %s's modules trains; the model is left as it is (fxplan.rewrite "
+                    "plans it without the modules' boundaries)", type(model).__name__)
+        best = AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget)
+    if budget is not None and best.measured_peak_bytes > budget:
+        smallest = best.measured_peak_bytes
         raise BudgetError(
             f"fxplan.auto_checkpoint: no plan applied to {type(model).__name__}'s modules fits "
             f"{format_bytes(budget)} per step; the smallest measured is "
-            f"{format_bytes(smallest) if smallest else 'unknown'} (budget_bytes={smallest}); "
+            f"{format_bytes(smallest)} (budget_bytes={smallest}); "
             "fxplan.rewrite, which is not bound to the model's modules, may reach lower", smallest)
     logger.info("fxplan: applied %s to %s: measured peak %s (unplanned %s), planned in %.1f s",
                 _count(len(best.regions), "checkpointed module"), type(model).__name__,
@@ -221,11 +232,16 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
 
 def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, graph_plan: Plan,
              regions: list[RegionPlan], vanilla: int, budget: int | None,
-             loss_fn: Callable[[Any], torch.Tensor] | None) -> AppliedPlan:
+             loss_fn: Callable[[Any], torch.Tensor] | None) -> AppliedPlan | None:
     """``regions`` checked against the model's forward (:func:`_matched`), applied to it and measured (fake
-    tensors)."""
-    regions = _matched(model, call, regions, loss_fn)
-    peak = _measure_applied(model, call, regions, loss_fn)
+    tensors); None where the step with them fails."""
+    try:
+        regions = _matched(model, call, regions, loss_fn)
+        peak = _measure_applied(model, call, regions, loss_fn)
+    except RuntimeError as error:  # autograd or checkpointing refused the step: this mapping is not applied
+        logger.info("fxplan: %s checkpointed as planned do not train (%s); that mapping of the plan is left out",
+                    _count(len(regions), "module"), str(error).splitlines()[0][:200])
+        return None
     return AppliedPlan(type(model).__qualname__, _shapes(call), regions, peak, vanilla, budget, graph_plan,
                        _recompute_fraction(cg, ops, regions))
 
