@@ -47,7 +47,8 @@ def main() -> None:
     print(f"{'budget':>10}  {'budget bytes':>14}  {'measured bytes':>14}  {'predicted':>12}  {'recompute':>9}  "
           f"{'segments':>8}  {'nested':>6}  {'regions':>7}  {'seconds':>7}")
     for budget in args.budgets:
-        budget_bytes = int(budget * vanilla) if args.of_vanilla else fxplan.planner.planning.whole_step_budget(budget, None)
+        budget_bytes = (int(budget * vanilla) if args.of_vanilla
+                        else fxplan.planner.planning.whole_step_budget(budget, None))
         start = time.perf_counter()
         try:
             module = fxplan.rewrite(model, budget_bytes=budget_bytes, example_inputs=inputs, solver=args.solver,
