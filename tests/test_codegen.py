@@ -498,7 +498,7 @@ def test_operator_iadd_on_a_segment_input_gets_a_copy():
     graph.output(graph.call_function(operator.add, (c, a)))  # reads a after the iadd
     gm = fx.GraphModule(nn.Module(), graph)
     opt = segment_module(gm, [["mul"], ["cos", "iadd", "sin"], ["add"]])
-    assert "mul_copy = fxplan_codegen_copy_for_inplace(mul)" in opt.segment_1.code
+    assert "mul_copy = fxplan_rewriter_codegen_copy_for_inplace(mul)" in opt.segment_1.code
     x1 = torch.randn(4, requires_grad=True)
     x2 = x1.detach().clone().requires_grad_()
     out1, out2 = gm(x1), opt(x2)
