@@ -61,7 +61,7 @@ STAGES = {"trace": [(rewriting, "trace")], "capture": [(tracing, "capture"), (tr
           "min": [(search, "min_budget_bytes_graph")], "replay": [(search, "replay")],
           "codegen": [(meter, "segment_module")], "measure": [(meter, "measure_fake")],
           "region trace": [(variants, "trace")], "splice": [(variants, "spliced")]}
-try:  # the frontier's plans, solved in fxplan.planner.frontier since session 30 (in fxplan.planner.search before)
+try:  # the frontier's plans are solved in fxplan.planner.frontier (in fxplan.planner.search at older commits)
     from fxplan.planner import frontier
 
     STAGES["solve"].append((frontier, "plan_graph"))
