@@ -166,7 +166,7 @@ def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall,
 def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, strategy: str, solver: str,
             loss_fn: Callable[[Any], torch.Tensor] | None) -> AppliedPlan:
     t0 = time.perf_counter()
-    vanilla = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
+    regionable, vanilla = _regionable(model, call, loss_fn)
     if budget is not None and budget >= vanilla:
         logger.info("fxplan: the budget %s is above the unplanned peak %s: nothing to checkpoint",
                     format_bytes(budget), format_bytes(vanilla))
@@ -175,7 +175,6 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     captured = cg.graph["captured"]
     ops = node_ops(model, captured, call)
     tree = _module_tree(model)
-    regionable = _regionable(model, call)
     searches = Searches(cg, model, call, solver=solver, loss_fn=loss_fn)
     logger.info("fxplan: traced %s (%d nodes) in %.1f s; applying plans to its modules", type(model).__name__,
                 cg.number_of_nodes(), time.perf_counter() - t0)
@@ -236,8 +235,7 @@ def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, grap
     """``regions`` checked against the model's forward (:func:`_matched`), applied to it and measured (fake
     tensors); None where the step with them fails."""
     try:
-        regions = _matched(model, call, regions, loss_fn)
-        peak = _measure_applied(model, call, regions, loss_fn)
+        regions, peak = _matched(model, call, regions, loss_fn)
     except RuntimeError as error:  # autograd or checkpointing refused the step: this mapping is not applied
         logger.info("fxplan: %s checkpointed as planned do not train (%s); that mapping of the plan is left out",
                     _count(len(regions), "module"), str(error).splitlines()[0][:200])
@@ -266,18 +264,17 @@ def _measure_applied(model: torch.nn.Module, call: ExampleCall, regions: list[Re
 
 
 def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
-             loss_fn: Callable[[Any], torch.Tensor] | None) -> list[RegionPlan]:
-    """``regions`` checked against the model's own forward (a fake step with the regions on): an operator
-    whose calls there are not the captured graph's (per operator, the same calls with the same output shapes)
-    is marked unmatched, and its calls get the policy's default (a graph from torch.export can build an
-    attention mask otherwise than the eager forward does); the decisions of the others fall on the calls
-    they were made for."""
-    if not regions:
-        return regions
+             loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[list[RegionPlan], int]:
+    """``regions`` checked against the model's own forward in a fake step with the regions on, and that step's
+    peak. An operator whose calls there are not the captured graph's (per operator, the same calls with the
+    same output shapes) is marked unmatched, and its calls get the policy's default (a graph from torch.export
+    can build an attention mask otherwise than the eager forward does); the decisions of the others fall on
+    the calls they were made for. Where some operator is unmatched, the regions' decisions change and the step
+    is measured again."""
     runtime.install(model, regions)
     try:
         with runtime.verifying() as seen:
-            measure_step(model, call, fake=True, loss_fn=loss_fn)
+            peak = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
     finally:
         runtime.uninstall(model)
     checked = []
@@ -287,7 +284,9 @@ def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan
         if unmatched:
             logger.debug("fxplan: module %s: %s calls differ from the captured graph's", r.path, ", ".join(unmatched))
         checked.append(replace(r, unmatched=unmatched))
-    return checked
+    if any(r.unmatched for r in checked):
+        peak = _measure_applied(model, call, checked, loss_fn)
+    return checked, peak
 
 
 def _recompute_fraction(cg: Any, ops: dict, regions: list[RegionPlan]) -> float:
@@ -295,28 +294,19 @@ def _recompute_fraction(cg: Any, ops: dict, regions: list[RegionPlan]) -> float:
     total = cg.total_T()
     if not total:
         return 0.0
+    by_path = {r.path: r for r in regions}
+    calls_seen = dict.fromkeys(by_path, 0)  # per region, its op calls so far: the index into its decisions
     recomputed = 0.0
-    region_paths = {r.path: r for r in regions}
     for name, node in ops.items():
-        region = next((region_paths[p] for p in node.scope if p in region_paths), None)
-        if region is None or name not in cg:
+        path = next((p for p in node.scope if p in by_path), None)
+        if path is None:
             continue
-        if any(c.makes_value for c in node.calls) and not _saved(region, node, ops):
-            recomputed += cg.nodes[name]["T"]
+        for call in node.calls:
+            i = calls_seen[path]
+            calls_seen[path] += 1
+            if call.makes_value and not by_path[path].save[i] and name in cg:
+                recomputed += cg.nodes[name]["T"]
     return recomputed / total
-
-
-def _saved(region: RegionPlan, node: Any, ops: dict) -> bool:
-    """Whether the call that makes ``node``'s value is saved in ``region``."""
-    index = 0
-    for other in ops.values():
-        if region.path not in other.scope:
-            continue
-        for c in other.calls:
-            if other is node and c.makes_value:
-                return region.save[index]
-            index += 1
-    return False
 
 
 def _module_tree(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -326,11 +316,12 @@ def _module_tree(model: torch.nn.Module) -> dict[str, list[str]]:
     return tree
 
 
-def _regionable(model: torch.nn.Module, call: ExampleCall) -> set[str]:
+def _regionable(model: torch.nn.Module, call: ExampleCall,
+                loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[set[str], int]:
     """The modules a fake step of ``model`` calls exactly once, with arguments that are tensors, numbers,
-    strings, None and containers of them: a region's decisions are for one call, and recomputation calls it
-    again with the same arguments, which another object (a Hugging Face ``DynamicCache`` the layer appends to)
-    would not be."""
+    strings, None and containers of them (a region's decisions are for one call, and recomputation calls it
+    again with the same arguments, which another object, a Hugging Face ``DynamicCache`` the layer appends to,
+    would not be), and that unplanned step's peak."""
     counts: dict[str, int] = {}
     others: dict[str, str] = {}  # module path -> the type of an argument that is not plain
     handles = []
@@ -342,7 +333,7 @@ def _regionable(model: torch.nn.Module, call: ExampleCall) -> set[str]:
                     others[path] = type(leaf).__name__
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        measure_step(model, call, fake=True)
+        peak = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
     finally:
         for h in handles:
             h.remove()
@@ -353,7 +344,7 @@ def _regionable(model: torch.nn.Module, call: ExampleCall) -> set[str]:
         logger.info("fxplan: %s called with objects other than tensors (%s: %s%s) left unchanged%s",
                     _count(len(named), "module"), named[0], others[named[0]],
                     f", and {len(named) - 1} more" if len(named) > 1 else "", hint)
-    return {path for path, n in counts.items() if n == 1 and path not in others}
+    return {path for path, n in counts.items() if n == 1 and path not in others}, peak
 
 
 def _plain(leaf: Any) -> bool:
@@ -373,7 +364,11 @@ def _shapes(call: ExampleCall) -> str:
 
 def _refuse_wrapped(model: torch.nn.Module) -> None:
     """Models that another wrapper already owns are planned before it wraps them: say so in plain words."""
-    if any(type(m).__name__ in ("FSDPModule",) or type(m).__name__.startswith("FSDP") for m in model.modules()):
+    sharded = ()
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        sharded = (FSDPModule, FullyShardedDataParallel)
+    if sharded and any(isinstance(m, sharded) for m in model.modules()):
         raise FxplanError(f"{type(model).__name__} is already sharded with FSDP: call fxplan.auto_checkpoint "
                           "before fully_shard (plan first, then shard)")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -94,11 +94,8 @@ def dropped_values(plan: Plan, gm: torch.fx.GraphModule) -> set[str]:
 def kept_values(plan: Plan, nodes: dict[str, NodeOps], dropped: set[str]) -> tuple[set[str], dict[str, int]]:
     """The nodes whose values the plan keeps, and each planned node's segment (nested plans: their segment's)."""
     segment_of = {v: i for i, segment in enumerate(plan.segments) for v in segment}
-    last = len(plan.segments) - 1
-    kept = set()
-    for i, boundary in enumerate(plan.boundaries):
-        kept |= set(boundary) if i < last else set()
-    kept |= {v for v in plan.segments[last]} if plan.segments else set()
+    kept = {v for boundary in plan.boundaries[:-1] for v in boundary}  # what crosses to a later segment
+    kept |= set(plan.segments[-1]) if plan.segments else set()  # the last segment is not recomputed
     kept |= {v for v in nodes if v not in segment_of and v not in dropped}  # not planned: runs as in the model
     return kept - dropped, segment_of
 
