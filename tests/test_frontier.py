@@ -49,7 +49,8 @@ def test_the_frontier_gives_the_same_plans_from_the_top_and_from_the_bottom(grap
     kept = [k for k, p in top_down.items() if p is not None]
     assert len(kept) > 10 and len(kept) < down.size  # a frontier with grid points passed over
     recompute = [top_down[k][1] for k in kept[:-1]]  # the memory-centric plan, last, may recompute less
-    assert recompute == sorted(recompute)
+    # non-decreasing; plans of equal recomputation may differ in the last bit (sums in another order)
+    assert all(later >= earlier * (1 - 1e-12) for earlier, later in zip(recompute, recompute[1:]))
     assert len(down._solved) < down.size  # from the top, the points passed over are not solved
 
 
