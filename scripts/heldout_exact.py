@@ -8,7 +8,7 @@ grouped-query attention, hidden size 32, batch 2 of 16 tokens, its own loss), ``
 dropout 0.1 in attention and MLP, batch 2 of 32 tokens, its own loss). Each is rewritten with no
 budget (the smallest peak) and at the middle of its budget range (``--fractions``: at those fractions of vanilla's
 peak instead; the models below ``hf:gpt2`` in ``MODELS`` get units of recomputed inputs at 0.9 and 0.75). The
-models below ``hf:bloom`` are session 34's sweeps: 50 architectures (timm at batch 2, Hugging Face at 2 layers and
+models below ``hf:bloom`` are sweeps of architectures tried nowhere else: 50 architectures (timm at batch 2, Hugging Face at 2 layers and
 width 64 where the config allows), then 11 Hugging Face vision, speech and image-text models from ``hf:vit`` on;
 all of ``MODELS`` takes about 30 minutes on the 2-core CPU. For each plan: the
 user's model is unchanged by planning, outputs, every parameter gradient and every buffer are bitwise equal to the
@@ -158,7 +158,7 @@ MODELS: dict[str, Callable[[], tuple[torch.nn.Module, Any]]] = {
                               hidden_dim=128),
     # its MLP's GELU is a torch.autograd.Function with a backward of its own (fxplan.capture.functions)
     "hf:bloom": hf_model("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4),
-    # session 34's sweep of architectures tried nowhere else (docs/rewrite.md, "Models beyond the named ones")
+    # a sweep of architectures tried nowhere else (docs/rewrite.md, "Models beyond the named ones")
     "hf:gptj": hf_model("GPTJConfig", "GPTJForCausalLM", n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64),
     "hf:gpt_bigcode": hf_model("GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=64, n_layer=2, n_head=4,
                                n_positions=64),

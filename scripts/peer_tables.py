@@ -1,4 +1,4 @@
-"""fxplan against the peers of issue 11, one table per network: does fxplan's front dominate each peer?
+"""fxplan against its peers, one table per network: does fxplan's front dominate each peer?
 
 Usage: python scripts/peer_tables.py [NAME ...] [--batch-size N ...] [--input-size H] [--rounds R]
        [--threads K] [--block-class CLS] [--compile-budgets F ...] [--only ROW ...] [--markdown]

@@ -1,8 +1,8 @@
-"""The least time a rewrite on issue 10's terms can take, against one bare fake-tensor step of the model.
+"""The least time a rewrite (capture, plan, rewrite, budget fit) can take, against one bare fake-tensor step of the model.
 
 Usage: python scripts/rewrite_floor.py [--models gpt2:23,gpt2:4,synthetic:3000] [--repeats 3]
 
-Issue 10 asks for ``fxplan.rewrite`` (capture, plan, rewrite, budget fit) in at most 3x one fake-tensor step,
+The goal is ``fxplan.rewrite`` (capture, plan, rewrite, budget fit) in at most 3x one fake-tensor step,
 and keeps a fake-tensor step of the rewritten module as the final check. Two parts of that time do not depend
 on how fxplan plans, and this script times them alone, interleaved with the bare step (forward and backward of
 a fake copy under its fake mode, no meter: ``rewrite_scale.bare_step``):

@@ -3,7 +3,7 @@
 Usage: python scripts/rewrite_scale.py [--models synthetic:300,synthetic:1000,resnet50] [--repeats 1]
                                        [--batch N] [--fresh]
 
-Issue 10's goal: ``fxplan.rewrite`` (capture, plan, rewrite, budget fit) in at most 3x the time of one
+The goal: ``fxplan.rewrite`` (capture, plan, rewrite, budget fit) in at most 3x the time of one
 fake-tensor step, with no budget and with a middle budget (halfway between the smallest measured peak
 ``rewrite`` reaches and the step's own peak). Two steps are timed, interleaved with the rewrites: the bare
 step (forward and backward of a fake copy of the model under its fake mode, no meter, the copy made

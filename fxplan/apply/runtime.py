@@ -71,23 +71,31 @@ class CheckpointedForward:
         self.region = region
         self.previous = previous  # an instance ``forward`` the module had before (another library's wrapper)
         self.decisions = region.decisions()
+        self.contexts = _contexts_of(region, self.decisions)
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
-    def _contexts(self):
-        # A saved call that writes a buffer in place (BatchNorm's num_batches_tracked.add_) returns that buffer,
-        # whose version torch's check of cached tensors sees move; no call of a region overwrites a saved value
-        # otherwise (fxplan.apply.regions), so the check is off.
-        return create_selective_checkpoint_contexts(RegionPolicy(self.region, self.decisions),
-                                                    allow_cache_entry_mutation=True)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
-        return checkpoint(self.original, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+        return checkpoint(self.original, *args, use_reentrant=False, context_fn=self.contexts, **kwargs)
+
+
+def _contexts_of(region: RegionPlan, decisions: dict[str, tuple[bool, ...]]) -> Any:
+    """The ``context_fn`` of a region's checkpoint: a plain function, the kind torch.compile traces a
+    selective checkpoint with (it refuses bound methods and closures made while it traces), giving each call of
+    the forward a fresh policy."""
+
+    def contexts():
+        # A saved call that writes a buffer in place (BatchNorm's num_batches_tracked.add_) returns that buffer,
+        # whose version torch's check of cached tensors sees move; no call of a region overwrites a saved value
+        # otherwise (fxplan.apply.regions), so the check is off.
+        return create_selective_checkpoint_contexts(RegionPolicy(region, decisions), allow_cache_entry_mutation=True)
+
+    return contexts
 
 
 def install(model: torch.nn.Module, regions: list[RegionPlan]) -> None:

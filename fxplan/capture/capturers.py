@@ -506,7 +506,7 @@ def _masks_as_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, An
     ``is_tracing(mask)`` sees to that), so the decision depends only on shapes, on which the graph specialises
     anyway. Older transformers (5.17) ask ``is_tracing(padding_mask)`` alone, True for a missing mask too while
     exporting: there it answers for the mask given, and False for none. On CUDA the explicit mask also costs
-    time: GPT-2 small's efficient-attention kernels took 1.8x as long with it (H100, session 23).
+    time: GPT-2 small's efficient-attention kernels took 1.8x as long with it (H100).
 
     The same holds for the search for packed sequences (several sequences in one row, told apart by
     ``position_ids`` that restart): eager, it finds none when the positions run on, and skips the mask; under

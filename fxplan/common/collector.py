@@ -1,7 +1,7 @@
 """Keeping Python's cyclic garbage collector off fxplan's critical path.
 
 A full (generation 2) collection walks every object the process tracks: with torch loaded that is
-hundreds of thousands. Measured with ``gc.callbacks`` (docs/planner.md, session 16): about half the
+hundreds of thousands. Measured with ``gc.callbacks`` (docs/planner.md, "Planning time"): about half the
 rewrites of ResNet-50, DenseNet-161 or GPT-2 at half their peak ran one, of 0.2-0.4 s (a fake step is
 0.2-0.9 s there; 0.01-0.04 s with the objects alive at entry frozen), and one DP solve at 10,000 nodes one
 of 0.1 s. (A 10,000-node rewrite still spends about 3 s in 16 full collections of what it allocates itself.)

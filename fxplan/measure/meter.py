@@ -25,6 +25,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = ()
+
 from fxplan.capture.capturers import as_call
 from fxplan.capture.fakes import (
     DATA_DEPENDENT,
@@ -329,11 +334,12 @@ def cuda_step_stats(model, inputs, loss_fn, device: torch.device) -> StepStats:
 
 def resident_bytes(model: torch.nn.Module, inputs) -> int:
     """Bytes of the distinct storages of the model's parameters, their existing gradients, its buffers
-    and the inputs: what a step holds from its start."""
+    and the inputs: what a step holds from its start (of a sharded tensor, this process's shard)."""
     seen: dict[int, int] = {}
     tensors = [*model.parameters(), *existing_grads(model), *model.buffers(),
                *[t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]]
     for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
         seen[t.untyped_storage()._cdata] = storage_bytes(t)
     return sum(seen.values())
 
@@ -379,12 +385,28 @@ def profiled_step_peak(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[A
         loss = loss_fn(out)
         loss.backward()  # with ``out`` referenced, as in a training loop
         del loss, out
+    resident = resident_bytes(model, (call.args, call.kwargs))
+    try:
+        timeline = prof._memory_profile().timeline
+    except AssertionError:  # torch's data-flow analysis of the events gives up (FSDP2's collectives)
+        return resident + _peak_of_allocations(prof)
     current = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
+    for _, action, _, size in timeline:
         if action in (Action.PREEXISTING, Action.CREATE):
             current += size
         elif action == Action.DESTROY:
             current -= size
         peak = max(peak, current)
     # Tensors created before profiling started and never touched are invisible to the profiler.
-    return max(peak, resident_bytes(model, (call.args, call.kwargs)))
+    return max(peak, resident)
+
+
+def _peak_of_allocations(prof: Any) -> int:
+    """The largest sum of bytes allocated and not yet freed during a profile, from its raw allocation events in
+    time order, on every thread: what the step added to what it started with."""
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return peak

@@ -709,7 +709,7 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
     DP's time-centric plan at its smallest budget and memory-centric plan (where its family of lower
     sets differs from this solver's; otherwise its plans are this solver's). They join the candidates so
     that the smallest measured peak a DP solver reports is at most every planner's smallest plan's, whichever
-    solver was asked for (issue 12, point 1); where the other DP refuses (the exact DP over more moves
+    solver was asked for; where the other DP refuses (the exact DP over more moves
     than its cap), without its plans. ``solver="chen"`` stays the paper's baseline: none.
     """
     if solver == "chen":

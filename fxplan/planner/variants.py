@@ -27,7 +27,7 @@ forward cost recomputed per step (the cost graph's T, the regions' own recomputa
   where their replay may come within that (:meth:`Searches.smallest_choices`);
 - ``strategy="memory"``: the lower measured peak of those two.
 
-The graph with every unit of recomputed inputs is searched for the smallest peak too (since session 26): on
+The graph with every unit of recomputed inputs is searched for the smallest peak too: on
 GPT-2 its smallest plan was the captured graph's (docs/rewrite.md), but on a ViT-B (batch 64, 224², the CPU)
 ``fxplan.rewrite(model, None)`` measured 1.489 GiB without it where a budget of 1.3 GiB was met at 1.284 GiB
 with 37 units, and it recomputed less.

@@ -1,0 +1,83 @@
+"""fxplan.auto_checkpoint inside training stacks: FSDP2 sharded per layer (2 gloo processes), torch.compile.
+
+Each check trains the planned model beside an unplanned copy wrapped the same way and compares losses and
+gradients bit for bit; peaks come from meters that see what the wrapper runs (torch.profiler's allocation
+events, for sharded and compiled code alike).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist_helpers import assert_ranks_agree
+
+import fxplan
+from fxplan.errors import FxplanError
+from fxplan.measure.meter import profiled_step_peak
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2_and_batch(batch_size: int = 4):
+    torch.manual_seed(0)  # the same weights on every rank
+    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64,
+                                     use_cache=False)
+    ids = torch.randint(0, 1000, (batch_size, 64), generator=torch.Generator().manual_seed(0))
+    return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
+
+
+def _loss(output):
+    return output.loss
+
+
+def _shard_per_layer(model) -> None:
+    """As torchtitan shards a decoder: each block, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _check_per_layer_fsdp2(rank: int) -> list[str]:
+    model, batch = _gpt2_and_batch()
+    reference = copy.deepcopy(model)
+    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
+    # The budget is of the unsharded step; a rank holds a shard of the parameters and FSDP2's buffers instead
+    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss, budget_bytes=int(0.75 * vanilla))
+    mismatches = [] if model.fxplan_plan.regions else ["no region planned"]
+    for module in (reference, model):
+        _shard_per_layer(module)
+    try:
+        fxplan.auto_checkpoint(reference, example_inputs=batch, loss_fn=_loss)
+        mismatches.append("a sharded model was planned")
+    except FxplanError as exc:
+        if "before fully_shard" not in str(exc):
+            mismatches.append(f"refusal without its remedy: {exc}")
+    batch = {k: v.roll(rank, 0) for k, v in batch.items()}  # each rank its own batch order
+    peaks, losses = [], []
+    for module in (reference, model):
+        for _ in range(2):  # a second step accumulates into the first's gradients
+            torch.manual_seed(rank)  # the same dropout draws for both models
+            loss = module(**batch).loss
+            loss.backward()
+            losses.append(loss.detach())
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(rank)
+        peaks.append(profiled_step_peak(module, batch, _loss))
+    if not all(torch.equal(a, b) for a, b in zip(losses[:2], losses[2:])):
+        mismatches.append("loss")
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        if not torch.equal(p.grad.full_tensor(), q.grad.full_tensor()):
+            mismatches.append(f"grad {name}")
+    unplanned, planned = peaks
+    print(f"rank {rank}: peak planned {planned} B, unplanned {unplanned} B")
+    if not planned < unplanned:
+        mismatches.append(f"rank peak not lower: planned {planned} B, unplanned {unplanned} B")
+    return mismatches
+
+
+def test_planned_then_sharded_per_layer_trains_exactly_with_a_lower_rank_peak():
+    assert_ranks_agree(_check_per_layer_fsdp2)
