@@ -8,9 +8,9 @@ grouped-query attention, hidden size 32, batch 2 of 16 tokens, its own loss), ``
 dropout 0.1 in attention and MLP, batch 2 of 32 tokens, its own loss). Each is rewritten with no
 budget (the smallest peak) and at the middle of its budget range (``--fractions``: at those fractions of vanilla's
 peak instead; the models below ``hf:gpt2`` in ``MODELS`` get units of recomputed inputs at 0.9 and 0.75). The
-models below ``hf:bloom`` are sweeps of architectures tried nowhere else: 50 architectures (timm at batch 2, Hugging Face at 2 layers and
-width 64 where the config allows), then 11 Hugging Face vision, speech and image-text models from ``hf:vit`` on;
-all of ``MODELS`` takes about 30 minutes on the 2-core CPU. For each plan: the
+models below ``hf:bloom`` are sweeps of architectures tried nowhere else: 50 architectures (timm at batch 2,
+Hugging Face at 2 layers and width 64 where the config allows), then 11 Hugging Face vision, speech and image-text
+models from ``hf:vit`` on; all of ``MODELS`` takes about 30 minutes on the 2-core CPU. For each plan: the
 user's model is unchanged by planning, outputs, every parameter gradient and every buffer are bitwise equal to the
 original's over two training steps and in eval mode, the measured peak is within the budget (fake and
 real tensors), and the rewritten module's ``state_dict`` loads back into a fresh original.

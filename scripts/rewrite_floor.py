@@ -1,4 +1,4 @@
-"""The least time a rewrite (capture, plan, rewrite, budget fit) can take, against one bare fake-tensor step of the model.
+"""The least time a rewrite (capture, plan, rewrite, budget fit) can take, against one bare fake step of the model.
 
 Usage: python scripts/rewrite_floor.py [--models gpt2:23,gpt2:4,synthetic:3000] [--repeats 3]
 
