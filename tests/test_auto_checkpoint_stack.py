@@ -81,3 +81,54 @@ def _check_per_layer_fsdp2(rank: int) -> list[str]:
 
 def test_planned_then_sharded_per_layer_trains_exactly_with_a_lower_rank_peak():
     assert_ranks_agree(_check_per_layer_fsdp2)
+
+
+@pytest.fixture(scope="module")
+def planned_and_reference():
+    model, batch = _gpt2_and_batch()
+    for dropout in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):  # compiled and eager dropout draw differently
+        setattr(model.config, dropout, 0.0)
+    model = type(model)(model.config)
+    reference = copy.deepcopy(model)
+    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
+    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss, budget_bytes=int(0.75 * vanilla))
+    assert model.fxplan_plan.regions
+    return model, reference, batch
+
+
+def _graph_breaks(module, batch) -> int:
+    torch._dynamo.reset()
+    return torch._dynamo.explain(module)(**batch).graph_break_count
+
+
+def test_the_planned_model_compiles_with_no_graph_break_of_its_own(planned_and_reference):
+    model, reference, batch = planned_and_reference
+    assert _graph_breaks(model, batch) == _graph_breaks(reference, batch)
+
+
+def test_compiled_planned_and_compiled_unplanned_steps_are_bitwise_equal(planned_and_reference):
+    model, reference, batch = planned_and_reference
+    results = []
+    for module in (reference, model):
+        torch._dynamo.reset()
+        module.zero_grad(set_to_none=True)
+        loss = torch.compile(module, backend="aot_eager")(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in module.parameters()]))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+def test_a_compiled_module_is_measured_compiled_and_planned_only_before_compiling(planned_and_reference):
+    model, reference, batch = planned_and_reference
+    torch._dynamo.reset()
+    compiled = torch.compile(reference, backend="aot_eager")
+    with pytest.raises(FxplanError, match="then compile"):
+        fxplan.auto_checkpoint(compiled, example_inputs=batch, loss_fn=_loss)
+    with pytest.raises(FxplanError, match="fake=False"):
+        fxplan.measure_step(compiled, batch, fake=True, loss_fn=_loss)
+    measured = fxplan.measure_step(compiled, batch, loss_fn=_loss)
+    assert "compiled" in measured.meter
+    parameter_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert measured.peak_bytes > 2 * parameter_bytes  # parameters and the gradients the step makes, at least

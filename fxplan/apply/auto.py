@@ -371,6 +371,9 @@ def _refuse_wrapped(model: torch.nn.Module) -> None:
     if sharded and any(isinstance(m, sharded) for m in model.modules()):
         raise FxplanError(f"{type(model).__name__} is already sharded with FSDP: call fxplan.auto_checkpoint "
                           "before fully_shard (plan first, then shard)")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        raise FxplanError("the model is compiled (torch.compile): call fxplan.auto_checkpoint on the module, then "
+                          "compile it")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise FxplanError("the model is wrapped in DistributedDataParallel: call fxplan.auto_checkpoint on the "
                           "model before wrapping it")

@@ -210,6 +210,10 @@ def measure_step(
     (e.g. BatchNorm running statistics) are left untouched. With ``fake=True`` the copy and the inputs
     are fake tensors and nothing is allocated; the peak is exact all the same. On CUDA models (not fake)
     the allocator's ``max_memory_allocated`` is the meter.
+
+    A ``torch.compile``d module is measured as it runs compiled: a real step after one that compiles it, on
+    the CPU by torch.profiler's allocation events, which see compiled kernels' buffers. With ``fake=True`` it
+    is refused (fake tensors would run its eager code).
     """
     loss_fn = loss_fn or default_loss
     call = as_call(example_inputs)
@@ -217,6 +221,8 @@ def measure_step(
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
     fake_mode = fake_mode_of(model, inputs) if fake or has_fake(model, inputs) else None
+    if is_compiled(model):
+        return _measure_compiled(model, call, loss_fn, fake_mode is not None)
     if fake_mode is not None:
         with caches_kept_real():
             return measure_fake(fake_copy(model, fake_mode), to_fake(inputs, fake_mode), fake_mode, loss_fn, timeline)
@@ -224,6 +230,30 @@ def measure_step(
     if device.type == "cuda":
         return cuda_step_stats(real_copy(model), inputs, loss_fn, device)
     return _measure_tracked(real_copy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is the module ``torch.compile`` returns."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def _measure_compiled(model: torch.nn.Module, call: Any, loss_fn: Callable[[Any], torch.Tensor],
+                      fake: bool) -> StepStats:
+    """:func:`measure_step` of a compiled module (its docstring): the step after a warm-up step that compiles."""
+    if fake:
+        raise FxplanError(f"{type(model._orig_mod).__name__} is compiled (torch.compile): a step on fake tensors "
+                          "would measure its eager code; measure it with fake=False, or the module before compiling")
+    compiled = real_copy(model)
+    grads = [None if p.grad is None else p.grad.clone() for p in compiled.parameters()]
+    loss_fn(compiled(*call.args, **call.kwargs)).backward()  # compiles forward and backward, not measured
+    for p, g in zip(compiled.parameters(), grads):
+        p.grad = g
+    device = device_of(compiled, (call.args, call.kwargs))
+    if device.type == "cuda":
+        return cuda_step_stats(compiled, (call.args, call.kwargs), loss_fn, device)
+    start = time.perf_counter()
+    peak = profiled_step_peak(compiled, call, loss_fn)
+    return StepStats(peak, {}, time.perf_counter() - start, "torch.profiler allocation events (compiled)")
 
 
 def measure_fake(model: torch.nn.Module, inputs: tuple[tuple, dict[str, Any]], fake_mode: FakeTensorMode,
