@@ -132,3 +132,23 @@ def test_a_compiled_module_is_measured_compiled_and_planned_only_before_compilin
     assert "compiled" in measured.meter
     parameter_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     assert measured.peak_bytes > 2 * parameter_bytes  # parameters and the gradients the step makes, at least
+
+
+def test_a_peft_lora_model_is_planned_and_trains_exactly():
+    peft = pytest.importorskip("peft")
+    model, batch = _gpt2_and_batch()
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.1,
+                                                       fan_in_fan_out=True))
+    reference = copy.deepcopy(model)
+    assert fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss) is model
+    assert model.fxplan_plan.measured_peak_bytes < model.fxplan_plan.vanilla_peak_bytes
+    for seed in (1, 2):  # LoRA dropout draws, gradients accumulated
+        results = []
+        for module in (reference, model):
+            torch.manual_seed(seed)
+            loss = module(**batch).loss
+            loss.backward()
+            results.append(loss.detach())
+        assert torch.equal(*results)
+    trained = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if p.requires_grad]
+    assert trained and all(torch.equal(g, r) for g, r in trained)
