@@ -152,3 +152,26 @@ def test_a_peft_lora_model_is_planned_and_trains_exactly():
         assert torch.equal(*results)
     trained = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if p.requires_grad]
     assert trained and all(torch.equal(g, r) for g, r in trained)
+
+
+def test_a_llama_planned_and_trained_under_bf16_autocast_is_exact():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=1000, use_cache=False, attention_dropout=0.1)
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss)
+    assert model.fxplan_plan.regions
+    for seed in (1, 2):
+        losses = []
+        for module in (reference, model):
+            torch.manual_seed(seed)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = module(**batch).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))

@@ -18,7 +18,7 @@ recomputed regions and units. :func:`regions_for` turns that into the model's ow
   overwrites in place is saved after the last such write (selective checkpointing refuses cached tensors that
   change; a module where that would move a save of the first rule is not a region); random ops are always
   recomputed, so that recomputation, from the random state checkpointing restores, draws what the forward pass
-  drew.
+  drew; so are casts (:data:`CASTS`: autocast's cache makes the recomputation's casts differ from the forward's).
 
 What cannot map: segment boundaries inside one module call with no submodule between them (the module is one
 region, recomputed whole), segments across two sibling modules (each is its own region, and the value between
@@ -37,6 +37,11 @@ from fxplan.capture.regions import find_regions
 from fxplan.solvers.plans import Plan
 from fxplan.solvers.units import PREFIX as UNIT_PREFIX
 from fxplan.solvers.units import Unit
+
+#: Casts are never saved: autocast caches the casts of parameters for the rest of its context, so the
+#: recomputation in backward (after that context) makes casts the forward pass did not, and selective
+#: checkpointing, which pairs the calls of an operator by their order, would hand a saved cast to another call.
+CASTS = frozenset({"aten._to_copy.default"})
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,6 @@ def _decide(path: str, members: list[NodeOps], kept: set[str]) -> RegionPlan | N
                 return None
             save[i], save[later] = False, True
     for i, call in enumerate(calls):
-        if call.random and not forced[i]:
+        if (call.random or call.op in CASTS) and not forced[i]:
             save[i] = False  # recomputed, so every random op draws again from the restored state, in order
     return RegionPlan(path, tuple(c.op for c in calls), tuple(save), tuple(c.shape for c in calls))
