@@ -163,8 +163,9 @@ def test_a_llama_planned_and_trained_under_bf16_autocast_is_exact():
     ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss)
-    assert model.fxplan_plan.regions
+        vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
+        fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss, budget_bytes=int(0.85 * vanilla))
+    assert model.fxplan_plan.regions and model.fxplan_plan.measured_peak_bytes <= 0.85 * vanilla
     for seed in (1, 2):
         losses = []
         for module in (reference, model):
