@@ -5,7 +5,8 @@ A :class:`Method` has a name (the report's row), a family (``baseline``, ``peer`
 returns; nothing here measures anything.
 
 Method names: ``vanilla``; ``checkpoint_sequential``; ``torch.compile@F`` (``activation_memory_budget``
-F); ``hf-checkpointing`` (Hugging Face's own checkpointing, transformers only); fxplan's ``chen``,
+F); ``hf-checkpointing`` (Hugging Face's own checkpointing, transformers only); ``auto-checkpoint``
+(:func:`fxplan.auto_checkpoint` on a copy of the model, at its smallest peak); fxplan's ``chen``,
 ``approx-time``, ``approx-memory``, ``exact-time``, ``exact-memory`` at the smallest budget each reaches
 (Kusumoto et al. 2019, Table 1); and trade-off curve points ``approx-time@P`` and ``chen@P``: fxplan
 at the budget P of the way from the smallest feasible peak to vanilla's (0 = smallest, 1 = vanilla's).
@@ -197,6 +198,20 @@ def _fxplan(strategy: str, solver: str, point: float | None = None) -> Callable[
     return prepare
 
 
+def _auto_checkpoint(ctx: Context) -> Prepared:
+    """The plan applied to a copy of the model's own modules, at the smallest peak it reaches there."""
+    from fxplan.apply.auto import auto_checkpoint
+
+    start = time.perf_counter()
+    module = auto_checkpoint(model_copy(ctx.model), example_inputs=ctx.paper_inputs, loss_fn=ctx.loss_fn)
+    applied = module.fxplan_plan
+    return Prepared(module, {
+        "budget": "smallest feasible", "plan_seconds": time.perf_counter() - start,
+        "planned_recompute_fraction": applied.recompute_fraction, "segments": len(applied.regions),
+        "note": f"{len(applied.regions)} checkpointed modules of the model's own; the real steps run the same "
+                "decisions at the small batch"})
+
+
 def _planned_for_small_batch(ctx: Context, module: torch.nn.Module, strategy: str, solver: str,
                              point: float | None) -> torch.nn.Module | None:
     """A module planned for the small batch where ``module``'s plan would not run at it, else None.
@@ -241,12 +256,13 @@ def default_methods(
     *,
     exact: bool = True,
 ) -> list[Method]:
-    """Vanilla, the peers, fxplan's five plans, then extra trade-off points (approx-time and chen at
+    """Vanilla, the peers, fxplan's plan applied to the model's modules and its five rewrites, then extra trade-off points (approx-time and chen at
     budgets ``curve_points`` of the way from the smallest feasible budget to vanilla's peak)."""
     methods = [Method("vanilla", "baseline", _vanilla),
                Method("checkpoint_sequential", "peer", _checkpoint_sequential),
                Method("hf-checkpointing", "peer", _hf_checkpointing)]
     methods += [Method(f"torch.compile@{f:g}", "peer", _compiled(f)) for f in compile_budgets]
+    methods.append(Method("auto-checkpoint", "fxplan", _auto_checkpoint))
     for name, (strategy, solver) in FXPLAN_METHODS.items():
         if exact or solver != "exact":
             methods.append(Method(name, "fxplan", _fxplan(strategy, solver)))
