@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -81,10 +82,37 @@ class SegmentedModule(fx.GraphModule):
     def recompile(self):
         result = super().recompile()
         impl = type(self)  # GraphModule gives every instance a class of its own
-        if impl.forward is not SegmentedModule._call_as_planned:
+        if impl.__dict__.get("forward") is not impl.__dict__.get("_fxplan_planned_forward"):
             impl._fxplan_graph_forward = impl.forward
-            impl.forward = SegmentedModule._call_as_planned
+
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                return SegmentedModule._call_as_planned(self, *args, **kwargs)
+
+            impl.forward = impl._fxplan_planned_forward = forward
+            self._show_signature()
         return result
+
+    def _show_signature(self) -> None:
+        """Give ``forward`` the signature of the call it stands for: the original model's ``forward`` where the
+        module was built from a capture, else the graph's. Training stacks read it (Hugging Face ``Trainer``
+        keeps only the dataset columns ``inspect.signature(model.forward)`` names, and would drop every column
+        of a ``forward(*args, **kwargs)``)."""
+        impl = type(self)
+        interface = self.__dict__.get("_fxplan_interface")
+        signature = getattr(interface, "signature", None)
+        if signature is None:
+            try:
+                signature = inspect.signature(impl._fxplan_graph_forward)
+            except (TypeError, ValueError):
+                return
+        else:  # the bound method's signature: a ``self`` first, which inspect drops again for the bound method
+            this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+            signature = signature.replace(parameters=[this, *signature.parameters.values()])
+        impl._fxplan_planned_forward.__signature__ = signature
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._show_signature()  # a loaded module gets its interface back here
 
     def _call_as_planned(self, *args: Any, **kwargs: Any) -> Any:
         original = self.__dict__.get("_fxplan_original")
@@ -173,6 +201,7 @@ class SegmentedModule(fx.GraphModule):
         memo[id(self)] = new
         for key, value in {**self._call_state(), **self._user_attrs()}.items():
             new.__dict__[key] = copy.deepcopy(value, memo)
+        new._show_signature()
         return new
 
     def _user_attrs(self) -> dict[str, Any]:
@@ -611,6 +640,7 @@ def segment_module(
     out._fxplan_warned = set()
     if "fxplan_call" in gm.meta:
         out.__dict__["_fxplan_original"], out.__dict__["_fxplan_interface"] = gm.meta["fxplan_call"]
+        out._show_signature()
     for seg in emitter.made:
         seg.training = gm.training
         seg._set_owner(out)
