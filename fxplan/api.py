@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from fxplan.capture.capturers import Captured, ExampleCall, capture, symbolic_trace_module
+from fxplan.capture import effects
+from fxplan.capture.capturers import CallInterface, Captured, ExampleCall, capture, symbolic_trace_module
 from fxplan.capture.fakes import caches_kept_real
 from fxplan.capture.regions import with_regions
 from fxplan.common import collector
@@ -124,7 +125,13 @@ def _captured_for(model: torch.nn.Module, example_inputs: Sequence[Any] | None) 
     """The capture a given plan runs on: the inputs' capture, or ``symbolic_trace`` without inputs."""
     if example_inputs is not None:
         return capture(model, example_inputs)
-    return Captured(symbolic_trace_module(model), "symbolic_trace", None)
+    gm = symbolic_trace_module(model)
+    if gm is model:  # a GraphModule given: planned as it is
+        return Captured(gm, "symbolic_trace", None)
+    # the rewritten module then has the model's signature and output types, as with example inputs
+    interface = CallInterface(model, ExampleCall((), {}), flat=False, output_types=gm.meta.get("fxplan_output_types"))
+    gm.meta["fxplan_call"] = (model, interface)
+    return Captured(gm, "symbolic_trace", interface)
 
 
 @caches_kept_real()
