@@ -13,7 +13,8 @@ Two capturers, tried in this order:
 Either way the captured :class:`torch.fx.GraphModule` owns *all* of the model's state, the very same
 module, parameter and buffer objects under their original names: ``state_dict`` keys, parameter sharing
 and non-persistent buffers are the model's own. Tensors the capture invents (constants) are kept as
-non-persistent buffers, never as new ``state_dict`` entries, and nothing is left on the user's model.
+non-persistent buffers, never as new ``state_dict`` entries (the rewritten module holds them as plain attributes,
+not buffers), and nothing is left on the user's model.
 
 A graph is a picture of one call in one mode. :class:`CallInterface` records that call (the train/eval
 flag of every module, the input structure and, for export, the shapes) so that the rewritten module can
@@ -644,7 +645,9 @@ def owning_graph_module(model: torch.nn.Module, graph: fx.Graph, constants: dict
     """A GraphModule running ``graph`` that owns all of ``model``'s state, the very same objects.
 
     ``constants`` (tensors and submodules the capture made up) become non-persistent buffers and plain
-    attributes, so ``state_dict`` keys are exactly the model's.
+    attributes, so ``state_dict`` keys are exactly the model's. The buffers among them are named in
+    ``_fxplan_constants`` (those of ``model`` kept too): the rewritten module holds them as plain attributes
+    instead (:func:`fxplan.rewriter.codegen.segment_module`), so that its ``named_buffers()`` are the model's.
     """
     constants = dict(constants or {})
     holder = torch.nn.Module()
@@ -658,10 +661,13 @@ def owning_graph_module(model: torch.nn.Module, graph: fx.Graph, constants: dict
     gm.__dict__["_parameters"] = dict(model._parameters)
     gm.__dict__["_buffers"] = dict(model._buffers)
     gm.__dict__["_non_persistent_buffers_set"] = set(model._non_persistent_buffers_set)
+    made = {name for name in model.__dict__.get("_fxplan_constants", ()) if name in gm._buffers}
     for name, value in constants.items():
         gm.__dict__.pop(name, None)
         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
             gm.register_buffer(name, value, persistent=False)
+            made.add(name)
         else:  # a plain attribute; a module here is a stateless graph body (a no_grad region), not a submodule
             gm.__dict__[name] = value
+    gm.__dict__["_fxplan_constants"] = made
     return gm

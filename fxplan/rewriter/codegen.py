@@ -190,6 +190,15 @@ class SegmentedModule(fx.GraphModule):
         holder.training = self.training
         return holder
 
+    def _apply(self, fn: Any, recurse: bool = True) -> SegmentedModule:
+        """``nn.Module._apply`` (what ``.to()``, ``.cuda()``, ``.half()`` run), and the same for the tensor constants,
+        which are attributes, not buffers."""
+        result = super()._apply(fn, recurse)
+        for name, value in self._fxplan_extra_attrs.items():
+            if isinstance(value, torch.Tensor):
+                self._fxplan_extra_attrs[name] = self.__dict__[name] = fn(value)
+        return result
+
     def _call_state(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in ("_fxplan_original", "_fxplan_interface") if k in self.__dict__}
 
@@ -630,6 +639,11 @@ def segment_module(
             if atom not in out._modules and atom not in out._parameters and atom not in out._buffers:
                 if atom in gm.__dict__:
                     extra[atom] = gm.__dict__[atom]
+    # Tensors the capture made up (constants) are attributes, not buffers: named_buffers() are the model's
+    for name in gm.__dict__.get("_fxplan_constants", ()):
+        if name in out._buffers:
+            extra[name] = out._buffers.pop(name)
+            out._non_persistent_buffers_set.discard(name)
     out.__dict__.update(extra)
     out._fxplan_extra_attrs = extra
     out._fxplan_segment_names = list(seg_modules)
