@@ -64,9 +64,11 @@ def rewrite(
     """
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
+    model = original_model(model)
     if plan is not None:
         captured = _captured_for(model, example_inputs)
         gm = with_regions(captured, plan.regions).gm if plan.regions else captured.gm
+        _check_fits(gm, plan, type(model).__name__)
         module = segment_module(gm, plan.segments, plan.children)
         measured = None
         if example_inputs is not None:
@@ -101,8 +103,40 @@ def plan(
     """
     budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
-    module = fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    module = fit_budget(original_model(model), example_inputs, budget, strategy=strategy, solver=solver,
+                        loss_fn=loss_fn)
     return module.fxplan_plan
+
+
+def original_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a module that fxplan made stands for (a rewritten module, a :class:`LazyRewrite`), else
+    ``model``: planning or rewriting a rewritten module plans the model it was made from (its graph holds
+    segments, not the model's nodes, which no plan names). Same modules, parameters and train/eval mode."""
+    if not isinstance(model, (SegmentedModule, LazyRewrite)):
+        return model
+    original = model.__dict__.get("_fxplan_original")
+    if original is None:
+        raise FxplanError(f"{type(model).__name__} is a module fxplan rewrote from a torch.fx graph, not from a "
+                          "model: plan or rewrite the graph module it was made from")
+    original.training = model.training
+    return original
+
+
+def _check_fits(gm: torch.fx.GraphModule, plan: Plan, model_name: str) -> None:
+    """An FxplanError saying why, where ``plan``'s segments do not name exactly the compute nodes of ``gm`` (the
+    graph of this model and call): a plan applies to the model it was made for (same class and configuration, any
+    parameter values) called with inputs of the same structure."""
+    nodes = [n.name for n in gm.graph.nodes if effects.is_compute(n)]
+    named = [name for segment in plan.segments for name in segment]
+    unknown = sorted(set(named) - set(nodes))
+    missing = sorted(set(nodes) - set(named))
+    if unknown or missing:
+        parts = [f"names {len(unknown)} node(s) this graph does not have (e.g. {unknown[:3]})" if unknown else "",
+                 f"leaves out {len(missing)} of its node(s) (e.g. {missing[:3]})" if missing else ""]
+        raise FxplanError(f"the plan does not fit {model_name} called with these inputs: it "
+                          f"{' and '.join(p for p in parts if p)}. A plan applies to the model it was made for (same "
+                          "class and configuration) called with inputs of the same structure (the same arguments "
+                          "given, the same train/eval mode); plan this model (fxplan.plan) instead")
 
 
 @caches_kept_real()
@@ -111,6 +145,7 @@ def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, s
                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
     """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
     ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
+    model = original_model(model)
     return Searches(_traced(model, example_inputs, solver), model, example_inputs, solver=solver,
                     loss_fn=loss_fn).lowest()
 
