@@ -9,8 +9,10 @@ the same on the first call when no example inputs were given.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -204,8 +206,9 @@ def fit_budget(
 class LazyRewrite(torch.nn.Module):
     """``fxplan.rewrite`` without example inputs: plans on the first training call, re-plans on new shapes.
 
-    It owns the original module tree under the original names (same ``state_dict`` keys). In
-    ``eval()`` mode or under ``torch.no_grad()`` it runs the original forward and plans nothing.
+    It owns the original module tree under the original names (same ``state_dict`` keys), and its ``forward``
+    has the original's signature (``inspect.signature``, which Hugging Face ``Trainer`` reads). In ``eval()`` mode
+    or under ``torch.no_grad()`` it runs the original forward and plans nothing.
     """
 
     def __init__(self, model: torch.nn.Module, budget_bytes: int | None, *, strategy: str, solver: str,
@@ -219,6 +222,31 @@ class LazyRewrite(torch.nn.Module):
         self.__dict__["fxplan_module"] = None
         self._settings = dict(budget_bytes=budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
         self._shapes: tuple | None = None
+        self._sign_forward()
+
+    def _sign_forward(self) -> None:
+        """An instance ``forward`` with the original model's signature that runs :meth:`forward` (a method of
+        the class has one signature for all instances)."""
+        try:
+            signature = inspect.signature(self._fxplan_original.forward)
+        except (TypeError, ValueError):
+            return
+
+        def forward(this: LazyRewrite, *args: Any, **kwargs: Any) -> Any:
+            return LazyRewrite.forward(this, *args, **kwargs)
+
+        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        forward.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])
+        self.__dict__["forward"] = types.MethodType(forward, self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("forward", None)  # a function of this instance: made again on loading
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._sign_forward()
 
     @property
     def fxplan_plan(self) -> Plan | None:
