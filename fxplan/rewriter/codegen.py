@@ -66,8 +66,10 @@ def copy_for_inplace(x: Any) -> Any:
 class SegmentedModule(fx.GraphModule):
     """The rewritten model: calls one :class:`~fxplan.rewriter.recompute.Segment` per block of the plan.
 
-    It owns the original module tree under the original names (same ``state_dict`` keys as the
-    traced module); its segments only reference it. ``print(m.code)`` shows the calls,
+    It owns the original module tree under the original names (same ``state_dict`` keys and
+    ``named_buffers()`` as the model: tensor constants of the captured graph are plain attributes, which
+    :meth:`_apply` converts); its segments only reference it. Its ``forward`` has the signature of the
+    original model's (:meth:`_show_signature`). ``print(m.code)`` shows the calls,
     ``print(m.segment_0.code)`` a block, and :meth:`readable` everything.
 
     Built from a captured model (:mod:`fxplan.capture.capturers`), it runs the plan only for the call it was
