@@ -9,15 +9,18 @@ the same on the first call when no example inputs were given.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from fxplan.capture.capturers import Captured, ExampleCall, capture, symbolic_trace_module
+from fxplan.capture import effects
+from fxplan.capture.capturers import CallInterface, Captured, ExampleCall, capture, symbolic_trace_module
 from fxplan.capture.fakes import caches_kept_real
 from fxplan.capture.regions import with_regions
 from fxplan.common import collector
@@ -63,9 +66,11 @@ def rewrite(
     """
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
+    model = original_model(model)
     if plan is not None:
         captured = _captured_for(model, example_inputs)
         gm = with_regions(captured, plan.regions).gm if plan.regions else captured.gm
+        _check_fits(gm, plan, type(model).__name__)
         module = segment_module(gm, plan.segments, plan.children)
         measured = None
         if example_inputs is not None:
@@ -100,8 +105,40 @@ def plan(
     """
     budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
-    module = fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    module = fit_budget(original_model(model), example_inputs, budget, strategy=strategy, solver=solver,
+                        loss_fn=loss_fn)
     return module.fxplan_plan
+
+
+def original_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a module that fxplan made stands for (a rewritten module, a :class:`LazyRewrite`), else
+    ``model``: planning or rewriting a rewritten module plans the model it was made from (its graph holds
+    segments, not the model's nodes, which no plan names). Same modules, parameters and train/eval mode."""
+    if not isinstance(model, (SegmentedModule, LazyRewrite)):
+        return model
+    original = model.__dict__.get("_fxplan_original")
+    if original is None:
+        raise FxplanError(f"{type(model).__name__} is a module fxplan rewrote from a torch.fx graph, not from a "
+                          "model: plan or rewrite the graph module it was made from")
+    original.training = model.training
+    return original
+
+
+def _check_fits(gm: torch.fx.GraphModule, plan: Plan, model_name: str) -> None:
+    """An FxplanError saying why, where ``plan``'s segments do not name exactly the compute nodes of ``gm`` (the
+    graph of this model and call): a plan applies to the model it was made for (same class and configuration, any
+    parameter values) called with inputs of the same structure."""
+    nodes = [n.name for n in gm.graph.nodes if effects.is_compute(n)]
+    named = [name for segment in plan.segments for name in segment]
+    unknown = sorted(set(named) - set(nodes))
+    missing = sorted(set(nodes) - set(named))
+    if unknown or missing:
+        parts = [f"names {len(unknown)} node(s) this graph does not have (e.g. {unknown[:3]})" if unknown else "",
+                 f"leaves out {len(missing)} of its node(s) (e.g. {missing[:3]})" if missing else ""]
+        raise FxplanError(f"the plan does not fit {model_name} called with these inputs: it "
+                          f"{' and '.join(p for p in parts if p)}. A plan applies to the model it was made for (same "
+                          "class and configuration) called with inputs of the same structure (the same arguments "
+                          "given, the same train/eval mode); plan this model (fxplan.plan) instead")
 
 
 @caches_kept_real()
@@ -110,6 +147,7 @@ def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, s
                      loss_fn: Callable[[Any], torch.Tensor] | None = None) -> int:
     """The smallest measured peak (bytes, whole step) fxplan reaches with ``solver``: the smallest budget
     ``fxplan.rewrite`` accepts, and what its :class:`BudgetError` reports."""
+    model = original_model(model)
     return Searches(_traced(model, example_inputs, solver), model, example_inputs, solver=solver,
                     loss_fn=loss_fn).lowest()
 
@@ -124,7 +162,13 @@ def _captured_for(model: torch.nn.Module, example_inputs: Sequence[Any] | None) 
     """The capture a given plan runs on: the inputs' capture, or ``symbolic_trace`` without inputs."""
     if example_inputs is not None:
         return capture(model, example_inputs)
-    return Captured(symbolic_trace_module(model), "symbolic_trace", None)
+    gm = symbolic_trace_module(model)
+    if gm is model:  # a GraphModule given: planned as it is
+        return Captured(gm, "symbolic_trace", None)
+    # the rewritten module then has the model's signature and output types, as with example inputs
+    interface = CallInterface(model, ExampleCall((), {}), flat=False, output_types=gm.meta.get("fxplan_output_types"))
+    gm.meta["fxplan_call"] = (model, interface)
+    return Captured(gm, "symbolic_trace", interface)
 
 
 @caches_kept_real()
@@ -162,8 +206,9 @@ def fit_budget(
 class LazyRewrite(torch.nn.Module):
     """``fxplan.rewrite`` without example inputs: plans on the first training call, re-plans on new shapes.
 
-    It owns the original module tree under the original names (same ``state_dict`` keys). In
-    ``eval()`` mode or under ``torch.no_grad()`` it runs the original forward and plans nothing.
+    It owns the original module tree under the original names (same ``state_dict`` keys), and its ``forward``
+    has the original's signature (``inspect.signature``, which Hugging Face ``Trainer`` reads). In ``eval()`` mode
+    or under ``torch.no_grad()`` it runs the original forward and plans nothing.
     """
 
     def __init__(self, model: torch.nn.Module, budget_bytes: int | None, *, strategy: str, solver: str,
@@ -177,6 +222,31 @@ class LazyRewrite(torch.nn.Module):
         self.__dict__["fxplan_module"] = None
         self._settings = dict(budget_bytes=budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
         self._shapes: tuple | None = None
+        self._sign_forward()
+
+    def _sign_forward(self) -> None:
+        """An instance ``forward`` with the original model's signature that runs :meth:`forward` (a method of
+        the class has one signature for all instances)."""
+        try:
+            signature = inspect.signature(self._fxplan_original.forward)
+        except (TypeError, ValueError):
+            return
+
+        def forward(this: LazyRewrite, *args: Any, **kwargs: Any) -> Any:
+            return LazyRewrite.forward(this, *args, **kwargs)
+
+        this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        forward.__signature__ = signature.replace(parameters=[this, *signature.parameters.values()])
+        self.__dict__["forward"] = types.MethodType(forward, self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("forward", None)  # a function of this instance: made again on loading
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._sign_forward()
 
     @property
     def fxplan_plan(self) -> Plan | None:

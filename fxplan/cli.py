@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--small-input-size", type=positive_int, default=None, help="input size of the real steps")
     cmp.add_argument("--methods", type=names, default=None, metavar="LIST",
                      help="comma-separated methods (default: all): vanilla, checkpoint_sequential, "
-                          "hf-checkpointing, torch.compile, auto-checkpoint, chen, approx-time, approx-memory, exact-time, "
-                          "exact-memory, or one point such as torch.compile@0.5; vanilla always runs")
+                          "hf-checkpointing, torch.compile, auto-checkpoint, chen, approx-time, approx-memory, "
+                          "exact-time, exact-memory, or one point such as torch.compile@0.5; vanilla always runs")
     cmp.add_argument("--out", default="fxplan-compare", help="report directory (default ./fxplan-compare)")
     cmp.add_argument("--repeats", type=positive_int, default=5,
                      help="timed rounds, every method once per round, after a warm-up round (default 5)")

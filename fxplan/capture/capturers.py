@@ -13,7 +13,8 @@ Two capturers, tried in this order:
 Either way the captured :class:`torch.fx.GraphModule` owns *all* of the model's state, the very same
 module, parameter and buffer objects under their original names: ``state_dict`` keys, parameter sharing
 and non-persistent buffers are the model's own. Tensors the capture invents (constants) are kept as
-non-persistent buffers, never as new ``state_dict`` entries, and nothing is left on the user's model.
+non-persistent buffers, never as new ``state_dict`` entries (the rewritten module holds them as plain attributes,
+not buffers), and nothing is left on the user's model.
 
 A graph is a picture of one call in one mode. :class:`CallInterface` records that call (the train/eval
 flag of every module, the input structure and, for export, the shapes) so that the rewritten module can
@@ -95,10 +96,12 @@ class CallInterface:
     ``forward`` signature, and returns the leaves of the output, rebuilt with ``out_spec``.
     """
 
-    def __init__(self, model: torch.nn.Module, call: ExampleCall, *, flat: bool):
+    def __init__(self, model: torch.nn.Module, call: ExampleCall, *, flat: bool, output_types: Any = None):
         self.signature = _signature(model)
         self.modes = module_modes(model)
         self.flat = flat
+        #: for ``flat=False``: the dict types of the model's output that the graph returns as plain dicts
+        self.output_types = output_types
         self.out_spec: pytree.TreeSpec | None = None
         self.in_spec: pytree.TreeSpec | None = None
         self.leaf_keys: tuple | None = None
@@ -153,7 +156,7 @@ class CallInterface:
     def output(self, graph_output: Any) -> Any:
         """The model's output built from what the captured graph returned."""
         if not self.flat:
-            return graph_output
+            return retyped(graph_output, getattr(self, "output_types", None))
         return pytree.tree_unflatten(list(graph_output), self.out_spec)
 
 
@@ -212,7 +215,8 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
             gm = checked_for_python_state(model, type(model).__name__, lambda: symbolic_trace_module(model),
                                           lambda gm: gm)
             _check_arguments(model, gm, call)
-            return _captured(model, gm, "symbolic_trace", CallInterface(model, call, flat=False))
+            interface = CallInterface(model, call, flat=False, output_types=gm.meta.get("fxplan_output_types"))
+            return _captured(model, gm, "symbolic_trace", interface)
         except TraceError as fx_error:
             logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
             return export_after(model, call, fx_error)
@@ -255,10 +259,12 @@ def symbolic_trace_module(model: torch.nn.Module) -> fx.GraphModule:
         return model
     leaves: set[str] = set()
     while True:
-        graph, constants, changed = _trace_once(model, leaves)
+        graph, constants, changed, output_types = _trace_once(model, leaves)
         owners = {name.rpartition(".")[0] for name in changed}
         if not changed:
-            return owning_graph_module(model, graph, constants)
+            gm = owning_graph_module(model, graph, constants)
+            gm.meta["fxplan_output_types"] = output_types
+            return gm
         if "" in owners or owners <= leaves:
             raise TraceError(
                 f"tracing ran in-place updates of buffers {changed[:3]} in Python (e.g. a module counting "
@@ -267,9 +273,10 @@ def symbolic_trace_module(model: torch.nn.Module) -> fx.GraphModule:
         leaves |= owners
 
 
-def _trace_once(model: torch.nn.Module, leaves: set[str]) -> tuple[fx.Graph, dict[str, Any], list[str]]:
+def _trace_once(model: torch.nn.Module, leaves: set[str]) -> tuple[fx.Graph, dict[str, Any], list[str], Any]:
     """The graph of one ``symbolic_trace`` with the modules at the paths ``leaves`` kept as leaves, the tensor
-    constants the tracer made, and the buffers tracing updated in place (put back as they were)."""
+    constants the tracer made, the buffers tracing updated in place (put back as they were) and the output's
+    container types (:func:`retyped`)."""
     tracer = _LocatingTracer(leaves)
     had = set(model.__dict__)
     buffers = {name: (b, b._version, b.detach().clone() if _has_values(b) else None)
@@ -286,7 +293,7 @@ def _trace_once(model: torch.nn.Module, leaves: set[str]) -> tuple[fx.Graph, dic
         # The tracer stores tensor constants (``_tensor_constant0``) on the model it traces: move them off.
         constants = {k: model.__dict__.pop(k) for k in set(model.__dict__) - had}
         changed = _rebind(model, buffers) + _restore(buffers)
-    return graph, constants, changed
+    return graph, constants, changed, tracer.fxplan_output_types
 
 
 def _rebind(model: torch.nn.Module, buffers: dict[str, tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[str]:
@@ -335,6 +342,15 @@ class _LocatingTracer(fx.Tracer):
         super().__init__()
         self.fxplan_path: list[str] = []
         self.fxplan_leaves = leaves
+        self.fxplan_dicts: dict[int, tuple[dict, type]] = {}  # id of a dict made for the graph -> (it, its type)
+        self.fxplan_output_types: Any = None
+
+    def create_arg(self, a: Any) -> Any:
+        # torch.fx records every dict as a plain dict (an OrderedDict comes back as a dict); remember the type
+        made = super().create_arg(a)
+        if isinstance(a, dict) and type(made) is not type(a):
+            self.fxplan_dicts[id(made)] = (made, type(a))
+        return made
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.fxplan_leaves or super().is_leaf_module(m, module_qualified_name)
@@ -366,6 +382,8 @@ class _LocatingTracer(fx.Tracer):
                 and _grad_and_autocast_modes() != self.fxplan_modes):
             raise RuntimeError("a grad-mode or autocast region inside forward (torch.no_grad, torch.autocast), "
                                "which symbolic_trace does not record")
+        if kind == "output":
+            self.fxplan_output_types = _container_types(args[0], self.fxplan_dicts)
         return super().create_node(kind, target, args, kwargs, name, type_expr)
 
 
@@ -380,6 +398,42 @@ def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:
     """``function.apply(*args, **kwargs)``: a captured call of a ``torch.autograd.Function``, which runs its own
     backward."""
     return function.apply(*args, **kwargs)
+
+
+def _container_types(value: Any, dicts: dict[int, tuple[dict, type]]) -> Any:
+    """Where the traced output holds dicts of other types than ``dict`` (``OrderedDict``: torchvision's
+    segmentation models), a template :func:`retyped` rebuilds them from; None where it holds none."""
+    if isinstance(value, dict):
+        inner = {k: _container_types(v, dicts) for k, v in value.items()}
+        made, kind = dicts.get(id(value), (None, None))
+        kind = kind if made is value else None
+        if kind is None and all(v is None for v in inner.values()):
+            return None
+        return ("dict", kind, inner)
+    if isinstance(value, (list, tuple)):
+        items = [_container_types(v, dicts) for v in value]
+        return None if all(v is None for v in items) else ("sequence", None, items)
+    return None
+
+
+def retyped(value: Any, template: Any) -> Any:
+    """``value`` (what a graph returned) with its dicts rebuilt as the types ``template`` (of
+    :func:`_container_types`) names; a type that cannot be built from a dict of the items stays a dict."""
+    if template is None:
+        return value
+    _, kind, inner = template
+    if isinstance(value, dict) and isinstance(inner, dict):
+        items = {k: retyped(v, inner.get(k)) for k, v in value.items()}
+        if kind is None:
+            return items
+        try:
+            return kind(items)
+        except Exception:  # a dict subclass whose constructor takes something else
+            return items
+    if isinstance(value, (list, tuple)) and isinstance(inner, list) and len(inner) == len(value):
+        items = [retyped(v, t) for v, t in zip(value, inner)]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def _grad_and_autocast_modes() -> tuple:
@@ -594,7 +648,9 @@ def owning_graph_module(model: torch.nn.Module, graph: fx.Graph, constants: dict
     """A GraphModule running ``graph`` that owns all of ``model``'s state, the very same objects.
 
     ``constants`` (tensors and submodules the capture made up) become non-persistent buffers and plain
-    attributes, so ``state_dict`` keys are exactly the model's.
+    attributes, so ``state_dict`` keys are exactly the model's. The buffers among them are named in
+    ``_fxplan_constants`` (those of ``model`` kept too): the rewritten module holds them as plain attributes
+    instead (:func:`fxplan.rewriter.codegen.segment_module`), so that its ``named_buffers()`` are the model's.
     """
     constants = dict(constants or {})
     holder = torch.nn.Module()
@@ -608,10 +664,13 @@ def owning_graph_module(model: torch.nn.Module, graph: fx.Graph, constants: dict
     gm.__dict__["_parameters"] = dict(model._parameters)
     gm.__dict__["_buffers"] = dict(model._buffers)
     gm.__dict__["_non_persistent_buffers_set"] = set(model._non_persistent_buffers_set)
+    made = {name for name in model.__dict__.get("_fxplan_constants", ()) if name in gm._buffers}
     for name, value in constants.items():
         gm.__dict__.pop(name, None)
         if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
             gm.register_buffer(name, value, persistent=False)
+            made.add(name)
         else:  # a plain attribute; a module here is a stateless graph body (a no_grad region), not a submodule
             gm.__dict__[name] = value
+    gm.__dict__["_fxplan_constants"] = made
     return gm

@@ -124,7 +124,8 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
     put it in a new fake mode, which cannot be mixed with the inputs').
     """
     memo: dict[int, Any] = {}
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    attributes = tensor_attributes(model)
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers(), *attributes]}
     tensors.update({id(p.grad): p.grad for p in model.parameters() if p.grad is not None})
     alone = _alone_on_storage(tensors.values())
     for p in model.parameters():
@@ -133,7 +134,7 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
             if p.grad is not None:
                 fake.grad = _fresh(p.grad, fake_mode, id(p.grad) in alone)
             memo[id(p)] = fake
-    for b in model.buffers():
+    for b in [*model.buffers(), *attributes]:
         if id(b) not in memo:
             memo[id(b)] = _fresh(b, fake_mode, id(b) in alone)
     for m in model.modules():  # a generator the model draws from by argument is the model's own, not a copy
@@ -141,6 +142,19 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
             if isinstance(value, torch.Generator):
                 memo[id(value)] = value
     return model_copy(model, memo)
+
+
+def tensor_attributes(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors ``model``'s modules hold as plain attributes, neither parameters nor buffers (the constants of a
+    rewritten module, a tensor a user keeps on a module): state a step starts with, like buffers, which fake copies
+    convert and meters count as there before the step. Tensors computed from parameters (``weight_norm``'s weight)
+    are left out: they are made again in each step."""
+    found: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.is_leaf:
+                found.setdefault(id(value), value)
+    return list(found.values())
 
 
 def model_copy(model: torch.nn.Module, memo: dict[int, Any] | None = None) -> torch.nn.Module:

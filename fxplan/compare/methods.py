@@ -256,8 +256,9 @@ def default_methods(
     *,
     exact: bool = True,
 ) -> list[Method]:
-    """Vanilla, the peers, fxplan's plan applied to the model's modules and its five rewrites, then extra trade-off points (approx-time and chen at
-    budgets ``curve_points`` of the way from the smallest feasible budget to vanilla's peak)."""
+    """Vanilla, the peers, fxplan's plan applied to the model's modules and its five rewrites, then extra
+    trade-off points (approx-time and chen at budgets ``curve_points`` of the way from the smallest feasible
+    budget to vanilla's peak)."""
     methods = [Method("vanilla", "baseline", _vanilla),
                Method("checkpoint_sequential", "peer", _checkpoint_sequential),
                Method("hf-checkpointing", "peer", _hf_checkpointing)]

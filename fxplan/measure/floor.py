@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from fxplan.capture.capturers import as_call
-from fxplan.capture.fakes import fake_copy, fake_mode_of, to_fake
+from fxplan.capture.fakes import fake_copy, fake_mode_of, tensor_attributes, to_fake
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import default_loss, existing_grads, fresh_autocast_cache
 from fxplan.measure.scratch import scratch_bytes, storage_bytes
@@ -111,7 +111,7 @@ def physical_floor(model: torch.nn.Module, example_inputs: Sequence[Any], *,
     rec = _OpWorkingSets()
     with fake_mode:
         resident: dict[int, int] = {}
-        for t in [*fm.parameters(), *fm.buffers(), *existing_grads(fm), *tree_leaves(fi)]:
+        for t in [*fm.parameters(), *fm.buffers(), *tensor_attributes(fm), *existing_grads(fm), *tree_leaves(fi)]:
             if isinstance(t, torch.Tensor):
                 resident[t.untyped_storage()._cdata] = storage_bytes(t)
         with fresh_autocast_cache(), rec:

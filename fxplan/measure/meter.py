@@ -39,6 +39,7 @@ from fxplan.capture.fakes import (
     fake_mode_of,
     has_fake,
     model_copy,
+    tensor_attributes,
     to_fake,
 )
 from fxplan.errors import FxplanError
@@ -310,7 +311,7 @@ def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> Step
         tracker.record_timeline()
     for p in model.parameters():
         tracker.register(p, "parameters")
-    for b in model.buffers():
+    for b in [*model.buffers(), *tensor_attributes(model)]:
         tracker.register(b, "buffers")
     for g in existing_grads(model):
         tracker.register(g, "gradients")
@@ -363,10 +364,11 @@ def cuda_step_stats(model, inputs, loss_fn, device: torch.device) -> StepStats:
 
 
 def resident_bytes(model: torch.nn.Module, inputs) -> int:
-    """Bytes of the distinct storages of the model's parameters, their existing gradients, its buffers
-    and the inputs: what a step holds from its start (of a sharded tensor, this process's shard)."""
+    """Bytes of the distinct storages of the model's parameters, their existing gradients, its buffers (and
+    tensors held as attributes, :func:`~fxplan.capture.fakes.tensor_attributes`) and the inputs: what a step holds
+    from its start (of a sharded tensor, this process's shard)."""
     seen: dict[int, int] = {}
-    tensors = [*model.parameters(), *existing_grads(model), *model.buffers(),
+    tensors = [*model.parameters(), *existing_grads(model), *model.buffers(), *tensor_attributes(model),
                *[t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]]
     for t in tensors:
         t = t.to_local() if isinstance(t, DTensor) else t

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -65,8 +66,10 @@ def copy_for_inplace(x: Any) -> Any:
 class SegmentedModule(fx.GraphModule):
     """The rewritten model: calls one :class:`~fxplan.rewriter.recompute.Segment` per block of the plan.
 
-    It owns the original module tree under the original names (same ``state_dict`` keys as the
-    traced module); its segments only reference it. ``print(m.code)`` shows the calls,
+    It owns the original module tree under the original names (same ``state_dict`` keys and
+    ``named_buffers()`` as the model: tensor constants of the captured graph are plain attributes, which
+    :meth:`_apply` converts); its segments only reference it. Its ``forward`` has the signature of the
+    original model's (:meth:`_show_signature`). ``print(m.code)`` shows the calls,
     ``print(m.segment_0.code)`` a block, and :meth:`readable` everything.
 
     Built from a captured model (:mod:`fxplan.capture.capturers`), it runs the plan only for the call it was
@@ -81,10 +84,37 @@ class SegmentedModule(fx.GraphModule):
     def recompile(self):
         result = super().recompile()
         impl = type(self)  # GraphModule gives every instance a class of its own
-        if impl.forward is not SegmentedModule._call_as_planned:
+        if impl.__dict__.get("forward") is not impl.__dict__.get("_fxplan_planned_forward"):
             impl._fxplan_graph_forward = impl.forward
-            impl.forward = SegmentedModule._call_as_planned
+
+            def forward(self, *args: Any, **kwargs: Any) -> Any:
+                return SegmentedModule._call_as_planned(self, *args, **kwargs)
+
+            impl.forward = impl._fxplan_planned_forward = forward
+            self._show_signature()
         return result
+
+    def _show_signature(self) -> None:
+        """Give ``forward`` the signature of the call it stands for: the original model's ``forward`` where the
+        module was built from a capture, else the graph's. Training stacks read it (Hugging Face ``Trainer``
+        keeps only the dataset columns ``inspect.signature(model.forward)`` names, and would drop every column
+        of a ``forward(*args, **kwargs)``)."""
+        impl = type(self)
+        interface = self.__dict__.get("_fxplan_interface")
+        signature = getattr(interface, "signature", None)
+        if signature is None:
+            try:
+                signature = inspect.signature(impl._fxplan_graph_forward)
+            except (TypeError, ValueError):
+                return
+        else:  # the bound method's signature: a ``self`` first, which inspect drops again for the bound method
+            this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+            signature = signature.replace(parameters=[this, *signature.parameters.values()])
+        impl._fxplan_planned_forward.__signature__ = signature
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._show_signature()  # a loaded module gets its interface back here
 
     def _call_as_planned(self, *args: Any, **kwargs: Any) -> Any:
         original = self.__dict__.get("_fxplan_original")
@@ -162,6 +192,15 @@ class SegmentedModule(fx.GraphModule):
         holder.training = self.training
         return holder
 
+    def _apply(self, fn: Any, recurse: bool = True) -> SegmentedModule:
+        """``nn.Module._apply`` (what ``.to()``, ``.cuda()``, ``.half()`` run), and the same for the tensor constants,
+        which are attributes, not buffers."""
+        result = super()._apply(fn, recurse)
+        for name, value in self._fxplan_extra_attrs.items():
+            if isinstance(value, torch.Tensor):
+                self._fxplan_extra_attrs[name] = self.__dict__[name] = fn(value)
+        return result
+
     def _call_state(self) -> dict[str, Any]:
         return {k: self.__dict__[k] for k in ("_fxplan_original", "_fxplan_interface") if k in self.__dict__}
 
@@ -173,6 +212,7 @@ class SegmentedModule(fx.GraphModule):
         memo[id(self)] = new
         for key, value in {**self._call_state(), **self._user_attrs()}.items():
             new.__dict__[key] = copy.deepcopy(value, memo)
+        new._show_signature()
         return new
 
     def _user_attrs(self) -> dict[str, Any]:
@@ -601,6 +641,11 @@ def segment_module(
             if atom not in out._modules and atom not in out._parameters and atom not in out._buffers:
                 if atom in gm.__dict__:
                     extra[atom] = gm.__dict__[atom]
+    # Tensors the capture made up (constants) are attributes, not buffers: named_buffers() are the model's
+    for name in gm.__dict__.get("_fxplan_constants", ()):
+        if name in out._buffers:
+            extra[name] = out._buffers.pop(name)
+            out._non_persistent_buffers_set.discard(name)
     out.__dict__.update(extra)
     out._fxplan_extra_attrs = extra
     out._fxplan_segment_names = list(seg_modules)
@@ -611,6 +656,7 @@ def segment_module(
     out._fxplan_warned = set()
     if "fxplan_call" in gm.meta:
         out.__dict__["_fxplan_original"], out.__dict__["_fxplan_interface"] = gm.meta["fxplan_call"]
+        out._show_signature()
     for seg in emitter.made:
         seg.training = gm.training
         seg._set_owner(out)
