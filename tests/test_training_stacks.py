@@ -157,3 +157,21 @@ def test_a_plan_for_another_configuration_is_refused_with_the_reason(gpt2_rewrit
     segments_only = Plan.from_dict({**plan.to_dict(), "regions": [], "region_recompute_fraction": 0.0})
     with pytest.raises(FxplanError, match="does not fit GPT2LMHeadModel.*leaves out"):
         fxplan.rewrite(_gpt2(n_layer=3), plan=segments_only, example_inputs=call)
+
+
+def test_a_rewritten_transformer_reaches_the_models_own_attributes_and_methods(tmp_path):
+    model = _gpt2()
+    ids = torch.randint(0, 1000, (2, 16))
+    call = {"input_ids": ids, "labels": ids}
+    rewritten = fxplan.rewrite(model, plan=_two_segments(model, call), example_inputs=call)
+    assert rewritten.config is model.config
+    _step(rewritten, **call)
+    torch.optim.SGD(rewritten.parameters(), lr=0.1).step()
+    rewritten.save_pretrained(tmp_path)  # the trained weights: the rewrite's parameters are the model's
+    loaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), rewritten.state_dict().values()))
+    rewritten.eval()
+    generated = rewritten.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
+    assert torch.equal(generated, model.eval().generate(ids[:, :4], max_new_tokens=3, do_sample=False))
+    with pytest.raises(AttributeError):
+        getattr(rewritten, "no_such_attribute")  # noqa: B009

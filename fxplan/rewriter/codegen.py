@@ -69,7 +69,8 @@ class SegmentedModule(fx.GraphModule):
     It owns the original module tree under the original names (same ``state_dict`` keys and
     ``named_buffers()`` as the model: tensor constants of the captured graph are plain attributes, which
     :meth:`_apply` converts); its segments only reference it. Its ``forward`` has the signature of the
-    original model's (:meth:`_show_signature`). ``print(m.code)`` shows the calls,
+    original model's (:meth:`_show_signature`), and attributes it lacks are the original's (:meth:`__getattr__`).
+    ``print(m.code)`` shows the calls,
     ``print(m.segment_0.code)`` a block, and :meth:`readable` everything.
 
     Built from a captured model (:mod:`fxplan.capture.capturers`), it runs the plan only for the call it was
@@ -133,6 +134,18 @@ class SegmentedModule(fx.GraphModule):
             return self._run_original(original, args, kwargs)
         graph_args, graph_kwargs = interface.graph_inputs(args, kwargs)
         return interface.output(self._fxplan_graph_forward(*graph_args, **graph_kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the module lacks is the original model's (``config``, ``generate``, ``save_pretrained``,
+        a nanoGPT's ``configure_optimizers``): it acts on the original object, whose submodules and parameters are
+        this module's. Private names are not looked up there."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_fxplan_original")
+            if original is None or name.startswith("_"):
+                raise
+            return getattr(original, name)
 
     def _run_original(self, original: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         """``original(*args, **kwargs)`` on this module's state. Submodules are the same objects; the root's own
