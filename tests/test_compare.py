@@ -301,3 +301,20 @@ def test_export_captured_model_real_steps_run_a_plan_for_the_small_batch():
     assert prepared.module.unplanned_reason(*small) is not None
     assert prepared.real_module is not None and prepared.real_module.unplanned_reason(*small) is None
     assert "small batch" in prepared.info["note"]
+
+
+def test_auto_checkpoint_has_a_row_beside_the_rewrite():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config)
+    lm_loss = lambda out: out.logits.float().pow(2).mean()  # noqa: E731
+    make = lambda batch, size: (torch.randint(0, 256, (batch, size or 16)),)  # noqa: E731
+    methods = select_methods(default_methods(compile_budgets=(), curve_points=()), ["auto-checkpoint"])
+    rows, _ = compare_network("gpt2", model, lm_loss, make, batch=8, input_size=32, small_batch=2,
+                              small_input_size=32, methods=methods, repeats=1, timeline=False)
+    by = {r.method: r for r in rows}
+    assert by["auto-checkpoint"].status == "ok", by["auto-checkpoint"].note
+    assert by["auto-checkpoint"].peak_bytes < by["vanilla"].peak_bytes
+    assert "checkpointed modules" in by["auto-checkpoint"].note
+    assert not hasattr(model, "fxplan_plan")  # planned on a copy: the model compared stays unplanned
