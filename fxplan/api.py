@@ -9,6 +9,7 @@ the same on the first call when no example inputs were given.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import time
@@ -55,7 +56,7 @@ def rewrite(
     GiB (``budget_gb``) or bytes (``budget_bytes``); with neither, the smallest peak fxplan reaches.
     With ``example_inputs`` (real or fake tensors) the model is planned now and a
     :class:`~fxplan.rewriter.codegen.SegmentedModule` (a ``torch.fx.GraphModule``) is returned; without them a
-    module is returned that plans on its first call and re-plans when input shapes change.
+    module is returned that plans on the first call of each input shape (:class:`LazyRewrite`).
     ``plan`` skips planning and uses the given plan as is (measured when example inputs are given).
     ``loss_fn(output)`` is the loss used when measuring (default: sum of the outputs).
 
@@ -204,7 +205,10 @@ def fit_budget(
 
 
 class LazyRewrite(torch.nn.Module):
-    """``fxplan.rewrite`` without example inputs: plans on the first training call, re-plans on new shapes.
+    """``fxplan.rewrite`` without example inputs: plans on the first training call of each input shape.
+
+    The plans of the last :data:`SHAPES_KEPT` shapes are kept, so a loader's last, smaller batch or a return to
+    an earlier sequence length runs a plan made before instead of planning again.
 
     It owns the original module tree under the original names (same ``state_dict`` keys), and its ``forward``
     has the original's signature (``inspect.signature``, which Hugging Face ``Trainer`` reads). In ``eval()`` mode
@@ -222,6 +226,7 @@ class LazyRewrite(torch.nn.Module):
         self.__dict__["fxplan_module"] = None
         self._settings = dict(budget_bytes=budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
         self._shapes: tuple | None = None
+        self._planned: collections.OrderedDict[tuple, torch.nn.Module] = collections.OrderedDict()
         self._sign_forward()
 
     def _sign_forward(self) -> None:
@@ -259,15 +264,33 @@ class LazyRewrite(torch.nn.Module):
             return original(*args, **kwargs)
         shapes = _shape_key(args, kwargs)
         if shapes != self._shapes:
-            if self._shapes is None:
-                logger.info("fxplan: planning for input shapes %s", shapes)
-            else:
-                logger.warning("fxplan: input shapes changed from %s to %s; re-planning", self._shapes, shapes)
-            module = fit_budget(original, ExampleCall(args, kwargs), **self._settings)
-            self.__dict__["fxplan_module"] = module
+            self.__dict__["fxplan_module"] = self._module_for(shapes, args, kwargs)
             self._shapes = shapes
         self.fxplan_module.training = self.training
         return self.fxplan_module(*args, **kwargs)
+
+
+    def _module_for(self, shapes: tuple, args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:
+        """The rewritten module planned for these input shapes: kept from before, or planned now."""
+        module = self._planned.get(shapes)
+        if module is not None:
+            logger.info("fxplan: input shapes %s planned before; running that plan", shapes)
+            self._planned.move_to_end(shapes)
+            return module
+        if self._shapes is None:
+            logger.info("fxplan: planning for input shapes %s", shapes)
+        else:
+            logger.warning("fxplan: input shapes changed from %s to %s; planning for them (plans kept for %d "
+                           "shapes)", self._shapes, shapes, min(len(self._planned) + 1, SHAPES_KEPT))
+        module = fit_budget(self._fxplan_original, ExampleCall(args, kwargs), **self._settings)
+        self._planned[shapes] = module
+        if len(self._planned) > SHAPES_KEPT:
+            self._planned.popitem(last=False)
+        return module
+
+
+#: How many input shapes a lazily planned module keeps plans for.
+SHAPES_KEPT = 8
 
 
 def _shape_key(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
