@@ -11,8 +11,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxplan.capture.effects import written_arguments
-from fxplan.costs.op_census import NewStorages, NodeCensus, buffer_names, tensors
-from fxplan.costs.timecost import op_traffic
+from fxplan.costs.op_census import NewStorages, NodeCensus, buffer_names, op_traffic, tensors
 
 
 class Mixed(nn.Module):

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import random
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 
 from fxplan.errors import TraceError
 
-if TYPE_CHECKING:
-    from fxplan.capture.capturers import Captured
-
 logger = logging.getLogger("fxplan")
+
+Capture = TypeVar("Capture")  # what a capture returns (a capturers.Captured)
 
 
 @contextlib.contextmanager
@@ -204,7 +204,7 @@ def own_checkpoints() -> Iterator[list[str]]:
         yield seen
 
 
-def checked_for_host_draws(model: torch.nn.Module, capture_once: Callable[[], Captured]) -> Captured:
+def checked_for_host_draws(model: torch.nn.Module, capture_once: Callable[[], Capture]) -> Capture:
     """``capture_once()``, checked for draws from numpy's or Python's global random generator (the model's
     forward drawing while it is captured): a graph holds what was drawn as constants and repeats it at every
     call. Where the forward draws, it is captured once more from the generators as the first capture left
@@ -246,13 +246,11 @@ def _set_host_generator_states(states: tuple[Any, Any]) -> None:
 
 def _same_graph(a: fx.GraphModule, b: fx.GraphModule) -> bool:
     """The same code over equal constants (the model's own state is the same objects in both)."""
-    from fxplan.capture.capturers import resolve_attr
-
     if a.code != b.code:
         return False
     for node in a.graph.nodes:
         if node.op == "get_attr":
-            x, y = resolve_attr(a, str(node.target)), resolve_attr(b, str(node.target))
+            x, y = operator.attrgetter(str(node.target))(a), operator.attrgetter(str(node.target))(b)
             if x is not y and not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
                                    and x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)):
                 return False

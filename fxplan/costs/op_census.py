@@ -2,7 +2,7 @@
 
 :mod:`fxplan.costs.trace` runs each node of the captured graph once on fake tensors under :class:`NodeCensus`,
 which records in one pass what the cost graph needs of the node's forward: its FLOPs (the formulas of
-``torch.utils.flop_counter``), the ops it runs and the bytes they move (:func:`fxplan.costs.timecost.op_traffic`),
+``torch.utils.flop_counter``), the ops it runs and the bytes they move (:func:`op_traffic`),
 the buffers it writes in place (:func:`fxplan.capture.effects.written_arguments`) and the most bytes of new storages
 it holds at once (:class:`NewStorages`). One mode instead of a stack of four: each mode a dispatch passes
 through costs Python time per op, and the trace runs every op of the model under them.
@@ -11,6 +11,7 @@ through costs Python time per op, and the trace runs every op of the model under
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,8 +19,30 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from fxplan.capture.effects import written_arguments
-from fxplan.costs.timecost import op_kind, op_traffic
 from fxplan.measure.scratch import Figures, call_figures, output_storages, storage_bytes
+
+
+def op_kind(func: Any, args: tuple) -> str:
+    """What an ATen op is for pricing: its name, with its boolean arguments where it has any (a BatchNorm's
+    ``training`` selects another kernel than evaluation's)."""
+    flags = [a for a in args if isinstance(a, bool)]
+    name = func._overloadpacket.__name__
+    return f"{name}{flags}" if flags else name
+
+
+def op_traffic(inputs: list[torch.Tensor], written: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
+    """The bytes one ATen op moves: its tensor ``inputs`` plus what it writes (``outputs`` on new storages,
+    and the arguments it writes in place, ``written``). A pure view (outputs alias an input, nothing
+    written) moves nothing."""
+    in_keys = {t.untyped_storage()._cdata for t in inputs}
+    fresh = [t for t in outputs if t.untyped_storage()._cdata not in in_keys]
+    if not fresh and not written:
+        return 0
+    return sum(_nbytes(t) for t in [*inputs, *fresh, *written])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def tensors(value) -> list[torch.Tensor]:
@@ -113,7 +136,7 @@ class NodeCensus(NewStorages):
         super().__init__()
         self.buffer_names = buffer_names
         self.flops = self.bytes_moved = self.ops = 0
-        self.op_bytes: dict[str, int] = {}  # bytes moved per op kind (:func:`fxplan.costs.timecost.op_kind`)
+        self.op_bytes: dict[str, int] = {}  # bytes moved per op kind (:func:`op_kind`)
         self.written: list[str] = []
         self.written_storages: set[int] = set()  # every storage written in place (``_cdata``)
 

@@ -15,8 +15,8 @@ whatever the plan, so its time does not enter the objective):
   gives) would look almost free that way, and a plan would recompute them at no apparent cost: the same
   benchmark times one reference call of each such op (:data:`SLOW_OP_PROBES`) and its bytes are priced
   at the rate measured (``DeviceSpeed.op_bytes_per_s``) where that is below the copy's.
-  Bytes moved are counted per ATen op (:func:`op_traffic`: the bytes of its tensor inputs plus the
-  bytes of the outputs it writes; pure views move nothing), in the trace's one dispatch mode
+  Bytes moved are counted per ATen op (:func:`fxplan.costs.op_census.op_traffic`: the bytes of its tensor inputs
+  plus the bytes of the outputs it writes; pure views move nothing), in the trace's one dispatch mode
   (:class:`fxplan.costs.op_census.NodeCensus`).
 * ``"measured"``: the node's forward run on real random tensors of its shapes on its device (one
   warm-up, median of :data:`MEASURE_REPEATS`), cached per op, shapes, dtypes and device so that the
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan.common.cache import machine_key, read_cache, write_cache
+from fxplan.costs.op_census import NodeCensus
 
 logger = logging.getLogger("fxplan")
 
@@ -66,7 +67,7 @@ class DeviceSpeed:
     bytes_per_s: float
     op_seconds: float
     threads: int
-    op_bytes_per_s: dict[str, float] = field(default_factory=dict)  # by :func:`op_kind`, below bytes_per_s
+    op_bytes_per_s: dict[str, float] = field(default_factory=dict)  # by :func:`fxplan.costs.op_census.op_kind`
 
     def seconds(self, flops: float, bytes_moved: float, ops: int, op_bytes: dict[str, int] | None = None) -> float:
         """The roofline time of work: compute and memory traffic, added (they rarely overlap fully on a
@@ -160,19 +161,9 @@ SLOW_OP_PROBES: dict[str, Callable[[torch.Tensor], Callable[[], Any]]] = {
 }
 
 
-def op_kind(func: Any, args: tuple) -> str:
-    """What an ATen op is for pricing: its name, with its boolean arguments where it has any (a BatchNorm's
-    ``training`` selects another kernel than evaluation's)."""
-    flags = [a for a in args if isinstance(a, bool)]
-    name = func._overloadpacket.__name__
-    return f"{name}{flags}" if flags else name
-
-
 def _probe_rates(device: torch.device) -> dict[str, float]:
     """Bytes per second the main op kind of each of :data:`SLOW_OP_PROBES` moves (the whole call's bytes over
     its best time of several)."""
-    from fxplan.costs.op_census import NodeCensus  # noqa: PLC0415 (op_census prices ops with this module)
-
     x = torch.randn(16, 64, 64, 64, device=device)
     rates: dict[str, float] = {}
     for probe in SLOW_OP_PROBES.values():
@@ -193,24 +184,6 @@ def _copy_bytes_per_s(device: torch.device, nbytes: int) -> float:
     src = torch.empty(nbytes // 4, device=device).uniform_()
     dst = torch.empty_like(src)
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), device, 20)
-
-
-# ---------------------------------------------------------------------------------------- bytes moved
-
-
-def op_traffic(inputs: list[torch.Tensor], written: list[torch.Tensor], outputs: list[torch.Tensor]) -> int:
-    """The bytes one ATen op moves: its tensor ``inputs`` plus what it writes (``outputs`` on new storages,
-    and the arguments it writes in place, ``written``). A pure view (outputs alias an input, nothing
-    written) moves nothing."""
-    in_keys = {t.untyped_storage()._cdata for t in inputs}
-    fresh = [t for t in outputs if t.untyped_storage()._cdata not in in_keys]
-    if not fresh and not written:
-        return 0
-    return sum(_nbytes(t) for t in [*inputs, *fresh, *written])
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # ---------------------------------------------------------------------------------------- measuring
@@ -273,4 +246,4 @@ def measure_seconds(op: Callable[..., Any], fake_args: tuple, fake_kwargs: dict,
 
 
 __all__ = ["DeviceSpeed", "MEASURE_REPEATS", "SLOW_OP_PROBES", "TIME_MODELS", "T_SECONDS", "device_speed",
-           "measure_seconds", "op_key", "op_kind", "op_traffic", "real_like"]
+           "measure_seconds", "op_key", "real_like"]

@@ -56,7 +56,7 @@ from collections.abc import Iterator
 from fxplan.common import collector
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.solvers.costgraph import CostGraph
-from fxplan.solvers.family_dp import _EPS, Context, _chain_costs, _family_run, context, forget_context
+from fxplan.solvers.family_dp import _EPS, Context, _family_run, context, forget_context
 from fxplan.solvers.lowersets import GraphIndex, enumerate_lower_sets, iter_bits
 from fxplan.solvers.memory_model import BoundModel, evaluate_chain
 from fxplan.solvers.plans import Plan, _fmt_bytes
@@ -264,7 +264,7 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
             ctx.families.pop("exact")  # too big for this limit; another call may allow more
     if fam is not None:
         found = _family_run(ctx, fam, objective, budget, max_sets)
-        return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
+        return None if found is None else ([fam.sets[k] for k in found], ctx.chain_costs(fam, found))
     if engine == "auto" and (budget is not None or objective == "peak") and hasattr(ctx.bm, "time_terms"):
         limit = min(COMPILED_FAMILY_LIMIT, max_states or COMPILED_FAMILY_LIMIT)
         fam = ctx.family(True, limit)
@@ -279,7 +279,7 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
                 found = time_kernel.most_overhead_chain(ctx, fam, budget, _EPS, time_limit)
             else:
                 found = time_kernel.least_overhead_chain(ctx, fam, budget, _EPS, time_limit)
-            return None if found is None else ([fam.sets[k] for k in found], _chain_costs(ctx, fam, found))
+            return None if found is None else ([fam.sets[k] for k in found], ctx.chain_costs(fam, found))
         if fam is None:
             ctx.families.pop("exact")
     if objective == "peak" and budget is None:

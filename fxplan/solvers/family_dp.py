@@ -81,6 +81,14 @@ class Context:
     priced: dict = field(default_factory=dict)  # per family: every move priced so far (:func:`_price`)
     least_peak: dict = field(default_factory=dict)  # per family: the plan of :func:`_min_peak_chain`
 
+    def lb_sums(self, fam: Family) -> np.ndarray:
+        """Per set of ``fam``, the sum of the model's additive lower bound on F: moves are listed by it."""
+        return _lb_sums(self, fam)
+
+    def chain_costs(self, fam: Family, chain: list[int]) -> tuple[int, float, list[int]]:
+        """(peak, overhead, peak of each segment) of a plan given as indices of ``fam``."""
+        return _chain_costs(self, fam, chain)
+
     def family(self, exact: bool, max_sets: int | None = None) -> Family | None:
         """The pruned family {L_v} (section 4.3), or all lower sets (None if more than ``max_sets``)."""
         key = "exact" if exact else "pruned"

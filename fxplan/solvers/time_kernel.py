@@ -147,12 +147,10 @@ class _Arrays:
     family keep (the lower-bound sums moves are listed by, range-maximum tables, saver flags)."""
 
     def __init__(self, ctx, fam: Family):
-        from fxplan.solvers.family_dp import _lb_sums  # family_dp imports this module when it first needs it
-
         bm = ctx.bm
         ix, cfg = bm.ix, bm.cfg
         terms = bm.time_terms(fam)
-        self.W = _lb_sums(ctx, fam)
+        self.W = ctx.lb_sums(fam)
         self.tol = 1e-9 * (float(np.abs(self.W).max()) + 1.0)
         oe_ptr, oe_u, oe_w, _ = fam.leaving_edges()
         table, log2, bytes_max = fam.range_max_tables(terms["tau"])
@@ -268,12 +266,10 @@ def least_peak_chain(ctx, fam: Family, start: list[int], eps: float, time_limit:
     most B, so the least peak (in whole bytes, as the family engine reports it) is found by testing B one
     byte under the best peak so far: first at growing distances below it, then, once a budget is known to
     fail, by bisection. Each test near the smallest budget is fast: few sets are reachable there."""
-    from fxplan.solvers.family_dp import _chain_costs
-
     t0 = time.perf_counter()
 
     def whole_bytes(chain: list[int]) -> int:
-        return int(np.ceil(_chain_costs(ctx, fam, chain)[0] - eps))
+        return int(np.ceil(ctx.chain_costs(fam, chain)[0] - eps))
 
     best, high = start, whole_bytes(start)
     low, gap = -1, 1  # every budget up to ``low`` is known to fail
