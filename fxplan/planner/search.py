@@ -725,5 +725,10 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
                       plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP,
                                  resident=resident)]
         except FxplanError as exc:  # the exact DP's caps (moves, time): its plans are extras, not the answer
-            logger.info("fxplan: no %s DP floor plans: %s", other, exc)
+            # The error's advice ("use the approximate DP") is for a user who asked for that DP, not for this
+            # search; a user of the approximate DP loses nothing they asked for, so that is said at DEBUG only.
+            reason = str(exc).split("; use ")[0]
+            logger.log(logging.DEBUG if solver == "approx" else logging.INFO,
+                       "fxplan: the candidates leave out the %s DP's smallest plans, which it cannot solve here (%s)",
+                       other, reason)
     return plans
