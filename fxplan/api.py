@@ -25,14 +25,15 @@ from fxplan.capture.capturers import CallInterface, Captured, ExampleCall, captu
 from fxplan.capture.fakes import caches_kept_real
 from fxplan.capture.regions import with_regions
 from fxplan.common import collector
+from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
-from fxplan.measure.meter import GiB, measure_step
+from fxplan.measure.meter import measure_step
 from fxplan.planner.planning import check_choices, whole_step_budget
 from fxplan.planner.variants import Searches
 from fxplan.rewriter.codegen import SegmentedModule, segment_module
 from fxplan.solvers.costgraph import CostGraph
-from fxplan.solvers.plans import Plan
+from fxplan.solvers.plans import Plan, recompute_note, regions_recomputed
 
 logger = logging.getLogger("fxplan")
 
@@ -134,8 +135,10 @@ def _check_fits(gm: torch.fx.GraphModule, plan: Plan, model_name: str) -> None:
     unknown = sorted(set(named) - set(nodes))
     missing = sorted(set(nodes) - set(named))
     if unknown or missing:
-        parts = [f"names {len(unknown)} node(s) this graph does not have (e.g. {unknown[:3]})" if unknown else "",
-                 f"leaves out {len(missing)} of its node(s) (e.g. {missing[:3]})" if missing else ""]
+        parts = [f"names {format_count(len(unknown), 'node')} this graph does not have (e.g. {unknown[:3]})"
+                 if unknown else "",
+                 f"leaves out {len(missing)} of its {'node' if len(missing) == 1 else 'nodes'} (e.g. {missing[:3]})"
+                 if missing else ""]
         raise FxplanError(f"the plan does not fit {model_name} called with these inputs: it "
                           f"{' and '.join(p for p in parts if p)}. A plan applies to the model it was made for (same "
                           "class and configuration) called with inputs of the same structure (the same arguments "
@@ -191,17 +194,33 @@ def fit_budget(
     cg = _traced(model, example_inputs, solver)
     logger.info("fxplan: traced %s with %s: %d nodes, %.1f s; planning for %s", type(model).__name__,
                 cg.graph["captured"].method, cg.number_of_nodes(), time.perf_counter() - t0,
-                "the smallest peak" if budget_bytes is None else f"a budget of {budget_bytes / GiB:.3f} GiB")
+                "the smallest peak" if budget_bytes is None else f"a budget of {format_bytes(budget_bytes)}")
     t1 = time.perf_counter()
     searches = Searches(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
     chosen = searches.choose(budget_bytes, strategy)
     module = chosen.variant.result(chosen.candidate, budget_bytes)
     plan = module.fxplan_plan
-    logger.info("fxplan: %d segments%s, recompute %.1f%%, measured peak %.3f GiB; planned in %.1f s (%d candidate "
-                "plans, %d measured on fake tensors)", plan.num_segments,
-                f" and {len(plan.regions)} recomputed regions" if plan.regions else "", 100 * plan.recompute_fraction,
-                chosen.measured / GiB, time.perf_counter() - t1, searches.candidates, searches.steps)
+    logger.info("fxplan: %s%s, recompute %.1f%%%s, measured peak %s; planned in %.1f s (%s, %d measured on fake "
+                "tensors)", format_count(plan.num_segments, "segment"),
+                f", {regions_recomputed(plan.regions)} recomputed in backward" if plan.regions else "",
+                100 * plan.recompute_fraction, recompute_note(plan.recompute_fraction, plan),
+                format_bytes(chosen.measured), time.perf_counter() - t1,
+                format_count(searches.candidates, "candidate plan"), searches.steps)
+    note = budget_note(plan)
+    if note:
+        logger.info("fxplan: %s", note)
     return module
+
+
+def budget_note(plan: Plan) -> str | None:
+    """The sentence to tell a user whose budget is at or above the unplanned peak, else None. A plan that recomputes
+    nothing is chosen exactly when the step as the model runs it fits the budget (the search takes the plan of least
+    recomputation that fits), and its measured peak is then the unplanned peak."""
+    if plan.budget_bytes is None or plan.measured_peak_bytes is None or plan.recompute_fraction or plan.regions:
+        return None
+    return (f"the budget of {format_bytes(plan.budget_bytes)} is at or above the unplanned peak of one training step "
+            f"({format_bytes(plan.measured_peak_bytes)} measured): nothing needs recomputing, and the plan runs the "
+            "step as the model does; a lower budget saves memory")
 
 
 class LazyRewrite(torch.nn.Module):

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from fxplan.capture.fakes import FakeMode
-from fxplan.common.console import Progress, format_table
+from fxplan.common.console import Progress, format_bytes, format_table
 from fxplan.compare.methods import DEFAULT_COMPILE_BUDGETS, DEFAULT_CURVE_POINTS
-from fxplan.errors import FxplanError, TraceError
+from fxplan.errors import BudgetError, FxplanError, TraceError
 from fxplan.measure.meter import GiB, MiB, measure_step
 
 MODEL_HELP = ("a zoo network (see 'fxplan zoo'), a torchvision builder name (e.g. mobilenet_v2), timm:NAME, "
@@ -114,7 +114,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"{args.model}: input {shape}; no graph (fxplan cannot trace this model, see below)")
     else:
         print(f"{args.model}: input {shape}, {cg.number_of_nodes()} compute nodes, {cg.number_of_edges()} edges, "
-              f"parameters {cg.graph['param_bytes'] / MiB:.1f} MiB")
+              f"parameters {format_bytes(cg.graph['param_bytes'])}")
         print()
         _print_top_nodes(cg, "M", "largest outputs", args.top)
         print()
@@ -123,7 +123,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print()
     print(f"vanilla peak of one training step, measured with {stats.meter} ({stats.seconds:.1f} s):")
     print(stats.table())
-    print(f"peak: {stats.peak_bytes / GiB:.3f} GiB ({stats.peak_bytes} bytes)")
+    print(f"peak: {format_bytes(stats.peak_bytes)} ({stats.peak_bytes} bytes)")
     if traced is not None:
         raise traced
     return 0
@@ -131,7 +131,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Plan, rewrite and measure, exactly as ``fxplan.rewrite`` does: one answer for one budget."""
-    from fxplan.api import rewrite
+    from fxplan.api import budget_note, rewrite
 
     progress = Progress(args.quiet)
     entry, model, inputs = load_model(args.model, args.batch_size, args.input_size, real=False,
@@ -141,11 +141,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          solver=args.solver, loss_fn=entry.loss)
     plan = module.fxplan_plan
     print(plan.summary())
+    note = budget_note(plan)
+    if note:
+        print(f"Note: {note}.")
     if args.json:
         with open(args.json, "w") as f:
             f.write(plan.to_json(indent=1))
         print(f"plan written to {args.json}")
     return 0
+
+
+def budget_gb_at_least(n_bytes: int) -> str:
+    """The ``--budget-gb`` value, to 3 significant digits, that is the least such value at or above ``n_bytes``
+    once the command line turns it back into bytes (rounded up, as ``fxplan.rewrite`` does)."""
+    gib = n_bytes / GiB
+    decimals = max(0, 2 - math.floor(math.log10(gib))) if gib > 0 else 3
+    step = 10.0 ** -decimals
+    value = math.ceil(gib / step - 1e-9) * step
+    while math.ceil(float(f"{value:.{decimals}f}") * GiB) < n_bytes:  # float error below the exact value
+        value += step
+    return f"{value:.{decimals}f}"
+
+
+def budget_error_line(exc: BudgetError) -> str:
+    """A :class:`BudgetError`'s message with its advice in the command line's terms: the ``--budget-gb`` value that
+    fits instead of the Python API's ``budget_bytes=...``."""
+    if exc.min_feasible_bytes is None or not exc.advice:
+        return str(exc)
+    return (f"{exc.fact} Pass --budget-gb {budget_gb_at_least(exc.min_feasible_bytes)} or more, or a smaller "
+            "--batch-size.")
 
 
 def _print_top_nodes(cg, attr: str, title: str, top: int) -> None:
@@ -298,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BudgetError as exc:
+        print(f"fxplan: error: {budget_error_line(exc)}", file=sys.stderr)
+        return 1
     except FxplanError as exc:
         print(f"fxplan: error: {exc}", file=sys.stderr)
         return 1

@@ -24,12 +24,16 @@ class TraceError(FxplanError):
 class BudgetError(FxplanError):
     """No recomputation plan fits the memory budget asked for.
 
-    ``min_feasible_bytes`` is the smallest budget for which a plan exists (or ``None`` if unknown).
+    ``min_feasible_bytes`` is the smallest budget for which a plan exists (or ``None`` if unknown). The message is
+    ``fact`` (what does not fit) followed by ``advice`` in the terms of the Python API (``budget_bytes=...``); the
+    command line shows ``fact`` with advice in its own terms (its flags) instead.
     """
 
-    def __init__(self, message: str, min_feasible_bytes: int | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, min_feasible_bytes: int | None = None, *, advice: str = ""):
+        super().__init__(f"{message} {advice}" if advice else message)
         self.min_feasible_bytes = min_feasible_bytes
+        self.fact = message
+        self.advice = advice
 
 
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, __file__))

@@ -27,7 +27,7 @@ from fxplan.apply.regions import RegionPlan, regions_for
 from fxplan.capture.capturers import ExampleCall, as_call
 from fxplan.capture.fakes import caches_kept_real
 from fxplan.common import collector
-from fxplan.common.console import format_bytes
+from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import measure_step
@@ -64,12 +64,12 @@ class AppliedPlan:
             f"fxplan plan applied to {self.model_class} for {budget} (input shapes {self.input_shapes})",
             f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
             f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; fake tensors, exact)",
-            f"  {_count(len(self.regions), 'checkpointed module')}; of their {_count(calls, 'op call')}, "
+            f"  {format_count(len(self.regions), 'checkpointed module')}; of their {format_count(calls, 'op call')}, "
             f"{saved} saved and {calls - saved} recomputed in backward",
             f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass (cost model)",
         ]
         for r in self.regions[:12]:
-            lines.append(f"    {r.path}: {r.saved_calls} of {len(r.ops)} op calls saved")
+            lines.append(f"    {r.path}: {r.saved_calls} of {format_count(len(r.ops), 'op call')} saved")
         if len(self.regions) > 12:
             lines.append(f"    ... and {len(self.regions) - 12} more")
         return "\n".join(lines)
@@ -88,10 +88,6 @@ class AppliedPlan:
         return AppliedPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
                            d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
                            recompute_fraction=d.get("recompute_fraction", 0.0))
-
-
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 @caches_kept_real()
@@ -204,7 +200,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             continue
         applied = min(made, key=lambda a: (a.measured_peak_bytes, a.recompute_fraction))
         logger.info("fxplan: plan %d: %s in %s, measured peak %s (asked %s)", attempt + 1,
-                    _count(len(applied.regions), "checkpointed module"), type(model).__name__,
+                    format_count(len(applied.regions), "checkpointed module"), type(model).__name__,
                     format_bytes(applied.measured_peak_bytes),
                     "the smallest" if target is None else format_bytes(target))
         if best is None or _better(applied, best, budget):
@@ -221,10 +217,10 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
         raise BudgetError(
             f"fxplan.auto_checkpoint: no plan applied to {type(model).__name__}'s modules fits "
             f"{format_bytes(budget)} per step; the smallest measured is "
-            f"{format_bytes(smallest)} (budget_bytes={smallest}); "
-            "fxplan.rewrite, which is not bound to the model's modules, may reach lower", smallest)
+            f"{format_bytes(smallest)} ({smallest} bytes); fxplan.rewrite, which is not bound to the model's "
+            "modules, may reach lower.", smallest, advice=f"budget_bytes={smallest} is accepted.")
     logger.info("fxplan: applied %s to %s: measured peak %s (unplanned %s), planned in %.1f s",
-                _count(len(best.regions), "checkpointed module"), type(model).__name__,
+                format_count(len(best.regions), "checkpointed module"), type(model).__name__,
                 format_bytes(best.measured_peak_bytes), format_bytes(vanilla), time.perf_counter() - t0)
     return best
 
@@ -237,8 +233,9 @@ def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, grap
     try:
         regions, peak = _matched(model, call, regions, loss_fn)
     except RuntimeError as error:  # autograd or checkpointing refused the step: this mapping is not applied
-        logger.info("fxplan: %s checkpointed as planned do not train (%s); that mapping of the plan is left out",
-                    _count(len(regions), "module"), str(error).splitlines()[0][:200])
+        logger.info("fxplan: %s checkpointed as planned %s not train (%s); that mapping of the plan is left out",
+                    format_count(len(regions), "module"), "does" if len(regions) == 1 else "do",
+                    str(error).splitlines()[0][:200])
         return None
     return AppliedPlan(type(model).__qualname__, _shapes(call), regions, peak, vanilla, budget, graph_plan,
                        _recompute_fraction(cg, ops, regions))
@@ -342,7 +339,7 @@ def _regionable(model: torch.nn.Module, call: ExampleCall,
         hint = ("; a Hugging Face model trained with use_cache=False (model.config.use_cache = False) keeps no cache "
                 "and lets fxplan checkpoint its layers") if any(t.endswith("Cache") for t in others.values()) else ""
         logger.info("fxplan: %s called with objects other than tensors (%s: %s%s) left unchanged%s",
-                    _count(len(named), "module"), named[0], others[named[0]],
+                    format_count(len(named), "module"), named[0], others[named[0]],
                     f", and {len(named) - 1} more" if len(named) > 1 else "", hint)
     return {path for path, n in counts.items() if n == 1 and path not in others}, peak
 

@@ -218,7 +218,9 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
             interface = CallInterface(model, call, flat=False, output_types=gm.meta.get("fxplan_output_types"))
             return _captured(model, gm, "symbolic_trace", interface)
         except TraceError as fx_error:
-            logger.info("fxplan: symbolic_trace failed (%s); capturing with torch.export", fx_error)
+            logger.info("fxplan: capturing %s with torch.export (symbolic_trace cannot trace its forward)",
+                        type(model).__name__)
+            logger.debug("fxplan: symbolic_trace of %s failed: %s", type(model).__name__, fx_error)
             return export_after(model, call, fx_error)
 
     with own_checkpoints() as seen:

@@ -169,7 +169,8 @@ def _named_regions(gm: fx.GraphModule, regions: list) -> list:
     by_conv = {r.conv: r for r in find_regions(gm)}
     missing = [n for n in names if not n.startswith(PREFIX) and n not in by_conv]
     if missing:
-        raise FxplanError(f"no recomputed region ends at node(s) {missing[:3]} of this model's graph: the plan "
+        raise FxplanError(f"no recomputed region ends at {'node' if len(missing) == 1 else 'nodes'} {missing[:3]} "
+                          "of this model's graph: the plan "
                           "was made for another model or version")
     return [parse_checked(gm, r) if isinstance(r, str) and r.startswith(PREFIX) else by_conv.get(r, r)
             for r in regions]

@@ -101,6 +101,12 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def format_count(n: int, word: str, plural: str | None = None) -> str:
+    """``n`` and ``word`` in agreement: ``1 segment``, ``3 segments``; ``plural`` where adding "s" is wrong
+    (``format_count(2, "child", "children")``)."""
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
 def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A plain aligned text table: numeric columns right-aligned, text columns left-aligned."""
     cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
@@ -156,4 +162,5 @@ def filter_native_logs() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-__all__ = ["HEARTBEAT_S", "NATIVE_LOG_LINE", "Progress", "Step", "filter_native_logs", "format_table"]
+__all__ = ["HEARTBEAT_S", "NATIVE_LOG_LINE", "Progress", "Step", "filter_native_logs", "format_bytes", "format_count",
+           "format_table"]

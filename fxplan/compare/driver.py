@@ -41,7 +41,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from fxplan.capture.fakes import fake_copy, fake_mode_of, to_fake
-from fxplan.common.console import Progress, filter_native_logs
+from fxplan.common.console import Progress, filter_native_logs, format_count
 from fxplan.compare import peers
 from fxplan.compare.methods import Context, Method, MethodTimeout, default_methods, real_copy
 from fxplan.measure.meter import cuda_step_stats, measure_step, profiled_step_peak
@@ -272,7 +272,8 @@ def _time_interleaved(rows, live, inputs, loss_fn, device, repeats, threads, pro
     """Step times of every live method by :func:`fxplan.measure.timing.time_interleaved`, vanilla the baseline."""
     by_name = {r.method: r for r in rows}
     steps = {name: training_step(module, inputs, loss_fn, device) for name, module in live.items()}
-    with progress.step(f"{network}: timing {len(live)} methods x {repeats} interleaved rounds "
+    with progress.step(f"{network}: timing {format_count(len(live), 'method')} x "
+                       f"{format_count(repeats, 'interleaved round')} "
                        f"at batch {rows[0].small_batch}") as step:
         timings = time_interleaved(steps, baseline="vanilla" if "vanilla" in steps else None, rounds=repeats,
                                    warmup=1, threads=threads, on_round=step.update)

@@ -26,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from fxplan.capture.fakes import model_copy
+from fxplan.common.console import format_bytes, format_count
 from fxplan.compare import peers
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import GiB, measure_step
@@ -122,7 +123,8 @@ def _vanilla(ctx: Context) -> Prepared:
 def _checkpoint_sequential(ctx: Context) -> Prepared:
     module = peers.checkpoint_sequential_peer(ctx.model)
     n = len(module.chain)
-    return Prepared(module, {"budget": f"{module.segments} segments of {n} steps", "segments": module.segments})
+    return Prepared(module, {"budget": f"{format_count(module.segments, 'segment')} of {format_count(n, 'step')}",
+                             "segments": module.segments})
 
 
 def _hf_checkpointing(ctx: Context) -> Prepared:
@@ -173,7 +175,7 @@ def _fxplan(strategy: str, solver: str, point: float | None = None) -> Callable[
                 raise FxplanError("vanilla's peak is unknown, so no budget between it and the minimum can be set")
             budget_bytes = int(lo + point * (hi - lo))
             budget_gb = budget_bytes / GiB
-            label = f"{budget_gb:.3f} GiB"
+            label = format_bytes(budget_bytes)
         start = time.perf_counter()
         with time_limit(ctx.time_limit if solver == "exact" else None):
             module = rewrite(ctx.model, budget_gb, example_inputs=ctx.paper_inputs, strategy=strategy,
@@ -208,8 +210,8 @@ def _auto_checkpoint(ctx: Context) -> Prepared:
     return Prepared(module, {
         "budget": "smallest feasible", "plan_seconds": time.perf_counter() - start,
         "planned_recompute_fraction": applied.recompute_fraction, "segments": len(applied.regions),
-        "note": f"{len(applied.regions)} checkpointed modules of the model's own; the real steps run the same "
-                "decisions at the small batch"})
+        "note": f"{format_count(len(applied.regions), 'checkpointed module')} of the model's own; the real steps run "
+                "the same decisions at the small batch"})
 
 
 def _planned_for_small_batch(ctx: Context, module: torch.nn.Module, strategy: str, solver: str,

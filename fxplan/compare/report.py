@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fxplan.common.console import format_table
+from fxplan.common.console import format_count, format_table
 from fxplan.compare.driver import Comparison, Row
 from fxplan.compare.front import front, front_rows
 from fxplan.measure.meter import GiB, MiB
@@ -60,10 +60,11 @@ COLUMNS = (
                "fxplan at the budget P of the way from the smallest feasible peak (0) to vanilla's (1)."),
     ("status", "ok, not applicable, timed out (planning ran past --time-limit), crashed (a measured step "
                "failed) or error (preparing failed); the note says why."),
-    ("peak GiB @batch B", "measured peak of one step at the main batch, on fake tensors (exact)."),
+    ("peak GiB @batch B", "measured peak of one step at the main batch B, on fake tensors (exact)."),
     ("vs vanilla", "change of that peak against vanilla's."),
-    ("peak MiB @batch b", "measured peak of one real step at the small batch, every method with the same "
+    ("peak MiB @batch b", "measured peak of one real step at the small batch b, every method with the same "
                           "meter; the only peak torch.compile has."),
+    ("vs vanilla (small)", "change of the small-batch peak against vanilla's at the small batch."),
     ("step-time ratio", "real step time at the small batch / vanilla's: the median over interleaved rounds "
                         "of the method's step over vanilla's step in the same round, and in brackets the "
                         "interquartile range of those per-round ratios. A range that contains 1.0 is marked "
@@ -71,17 +72,40 @@ COLUMNS = (
     ("predicted ratio", "fxplan's plans: the step-time ratio the plan's time costs predict, 1 + predicted "
                         "recomputation seconds / (3 x predicted forward seconds), a backward pass taken as "
                         "two forward passes (fxplan.costs.timecost; roofline by default)."),
-    ("recompute (measured)", "forward FLOPs re-executed in backward (counted with torch.utils.flop_counter) "
-                             "/ FLOPs of one forward pass."),
-    ("recompute (planned)", "the same fraction as the plan predicts it."),
+    ("recompute (measured)", "FLOPs the method's step runs beyond vanilla's step at the main batch, counted with "
+                             "torch.utils.flop_counter, / FLOPs of one vanilla forward pass. The flop counter "
+                             "counts matrix products and convolutions only: recomputed normalisations, "
+                             "activations and copies add nothing to this column."),
+    ("recompute (planned)", "fxplan's plans: the forward cost the plan recomputes in backward / one forward pass, "
+                            "as fxplan's cost model prices each node (roofline time by default, where memory-bound "
+                            "ops such as normalisations and activations cost time too), less what checkpoint's "
+                            "early stop skips; for auto-checkpoint, the ops its checkpointed modules recompute, "
+                            "priced the same way. It differs from the measured column because the two weigh ops "
+                            "differently (time against FLOPs): a plan that recomputes mostly cheap elementwise "
+                            "ops is high here and low there, one that recomputes matrix products the other way "
+                            "round. Either can pass 100%: values recomputed more than once (a nested plan "
+                            "recomputes a sub-segment again at each level; a cheap value is recomputed for each "
+                            "node that keeps it)."),
     ("predicted peak GiB", "the peak fxplan's memory model predicts for the chosen plan. It may be above "
                            "the measured peak, and above the budget: the model over-predicts, and fxplan "
                            "holds the *measured* peak to the budget, so a plan predicted above it is kept "
                            "when its measured peak fits."),
-    ("budget", "what the method was given: a budget in GiB (measured whole-step peak), 'smallest "
+    ("budget", "what the method was given: a budget (measured whole-step peak), 'smallest "
                "feasible', a compile fraction or a segment count."),
     ("planning", "wall time to produce the module: tracing, solving, code generation and measuring "
                  "candidate plans (for torch.compile: compiling)."),
+    ("note", "why a method did not run or failed, or how its real steps were made."),
+)
+
+#: What each column of the memory/step-time front tables means (written into the report).
+FRONT_COLUMNS = (
+    ("family", "baseline (vanilla), peer (another tool) or fxplan."),
+    ("peak vs vanilla (small batch)", "change of the small-batch peak against vanilla's, as in the table above."),
+    ("step-time ratio, ratio IQR", "the step-time ratio and its interquartile range, as in the table above."),
+    ("on the front", "yes where no other point dominates it: none has a peak as low and a step-time ratio as "
+                     "low, and one of the two lower."),
+    ("dominated by", "of the points that dominate it, the one of lowest step-time ratio; 'within noise' where "
+                     "this point's ratio range contains that point's ratio."),
 )
 
 
@@ -103,6 +127,11 @@ def _secs(x: float | None) -> str:
 
 def _frac(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _recompute(x: float | None) -> str:
+    """A recompute share, with why where it passes one forward pass (the column legend says more)."""
+    return _frac(x) + ("" if x is None or x <= 1.0 else " (recomputed more than once)")
 
 
 def _table1_cell(row: Row | None) -> str:
@@ -148,8 +177,8 @@ def detail_rows(rows: Sequence[Row]) -> list[list[str]]:
     for r in rows:
         out.append([r.method, r.status, _gib(r.peak_bytes), _pct(r.reduction), _mib(r.small_peak_bytes),
                     _pct(r.small_reduction), describe_ratio(r.time_ratio, r.ratio_low, r.ratio_high),
-                    describe_ratio(r.predicted_time_ratio, None, None), _frac(r.recompute_fraction),
-                    _frac(r.planned_recompute_fraction), _gib(r.predicted_peak_bytes), r.budget or "-",
+                    describe_ratio(r.predicted_time_ratio, None, None), _recompute(r.recompute_fraction),
+                    _recompute(r.planned_recompute_fraction), _gib(r.predicted_peak_bytes), r.budget or "-",
                     _secs(r.plan_seconds), r.note or ""])
     return out
 
@@ -167,7 +196,7 @@ def summary_table(comparison: Comparison) -> str:
     header = ["network", "method", "status", "peak GiB", "vs vanilla", "small batch vs vanilla", "time ratio",
               "recompute", "planning"]
     rows = [[r.network, r.method, r.status, _gib(r.peak_bytes), _pct(r.reduction), _pct(r.small_reduction),
-             describe_ratio(r.time_ratio, r.ratio_low, r.ratio_high), _frac(r.recompute_fraction),
+             describe_ratio(r.time_ratio, r.ratio_low, r.ratio_high), _recompute(r.recompute_fraction),
              _secs(r.plan_seconds)]
             for r in comparison.rows if r.main]
     return format_table(header, rows)
@@ -249,7 +278,8 @@ def plot_timeline(network: str, timelines: dict[str, list[tuple[str, int]]], bat
     fig, ax = plt.subplots(figsize=(10, 4))
     for name, tl in timelines.items():
         color, _ = _STYLE.get(_series(name), ("gray", "o"))
-        ax.plot(range(len(tl)), [b / GiB for _, b in tl], color=color, label=f"{name} ({len(tl)} ops)", lw=1)
+        ax.plot(range(len(tl)), [b / GiB for _, b in tl], color=color, label=f"{name} ({format_count(len(tl), 'op')})",
+                lw=1)
     ax.set_xlabel("op (forward, then backward)")
     ax.set_ylabel("live GiB")
     ax.set_title(f"{network}: memory over one training step at batch {batch} (fake tensors)")
@@ -326,6 +356,8 @@ def render_markdown(comparison: Comparison, plots: dict[str, list[Path]], plot_e
              "## Peak memory at the main batch (GiB, reduction against vanilla)", "", TABLE1_NOTE, "",
              _md_table(*table1(comparison)), "", METERS, "", "## Columns of the per-network tables", ""]
     parts += [f"- **{name}**: {text}" for name, text in COLUMNS]
+    parts += ["", "Columns of the memory/step-time front tables:", ""]
+    parts += [f"- **{name}**: {text}" for name, text in FRONT_COLUMNS]
     parts.append("")
     if plot_error:
         parts += [f"Plots: {plot_error}", ""]
@@ -361,6 +393,8 @@ def render_html(comparison: Comparison, plots: dict[str, list[Path]], plot_error
               f"<p>{html.escape(TABLE1_NOTE)}</p>", _html_table(*table1(comparison)), f"<p>{html.escape(METERS)}</p>",
               "<h2>Columns of the per-network tables</h2><ul>"]
     parts += [f"<li><b>{html.escape(name)}</b>: {html.escape(text).replace('*', '')}</li>" for name, text in COLUMNS]
+    parts.append("</ul><p>Columns of the memory/step-time front tables:</p><ul>")
+    parts += [f"<li><b>{html.escape(name)}</b>: {html.escape(text)}</li>" for name, text in FRONT_COLUMNS]
     parts.append("</ul>")
     if plot_error:
         parts.append(f"<p>Plots: {html.escape(plot_error)}</p>")

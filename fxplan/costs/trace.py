@@ -125,7 +125,9 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
         if captured.method != "symbolic_trace":
             raise
         # symbolic_trace can give a graph that does not run (a shape frozen into an assertion): try export.
-        logger.info("fxplan: the symbolic_trace graph does not run (%s); capturing with torch.export", error)
+        logger.info("fxplan: capturing %s with torch.export (the graph symbolic_trace made does not run)",
+                    type(model).__name__)
+        logger.debug("fxplan: the symbolic_trace graph of %s failed: %s", type(model).__name__, error)
         captured = export_after(model, call, error)
         with fresh_autocast_cache():
             propagator = _propagate(model, captured, call)

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxplan.capture.capturers import as_call
 from fxplan.capture.fakes import fake_copy, fake_mode_of, tensor_attributes, to_fake
+from fxplan.common.console import format_bytes
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import default_loss, existing_grads, fresh_autocast_cache
 from fxplan.measure.scratch import scratch_bytes, storage_bytes
@@ -62,10 +63,10 @@ class Floor:
 
     def describe(self) -> str:
         phase = "backward" if self.backward else "forward"
-        return (f"{self.bytes / 2**30:.3f} GiB at {self.op} ({phase}): {self.op_bytes / 2**20:.1f} MiB of operands "
-                f"and results ({self.scratch_bytes / 2**20:.1f} MiB of it kernel scratch), "
-                f"{self.held_bytes / 2**20:.1f} MiB of gradients/output held, "
-                f"{self.resident_bytes / 2**20:.1f} MiB resident")
+        return (f"{format_bytes(self.bytes)} at {self.op} ({phase}): {format_bytes(self.op_bytes)} of operands "
+                f"and results ({format_bytes(self.scratch_bytes)} of it kernel scratch), "
+                f"{format_bytes(self.held_bytes)} of gradients/output held, "
+                f"{format_bytes(self.resident_bytes)} resident")
 
 
 class _OpWorkingSets(TorchDispatchMode):

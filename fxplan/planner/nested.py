@@ -56,6 +56,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
+from fxplan.common.console import format_count
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.planner.plan_meter import PlanMeter
 from fxplan.solvers import dp, subplans
@@ -215,7 +216,7 @@ def sub_plans(cg: CostGraph, names: list[str]) -> list[list[list[str]]]:
             budget = int(lo + (top - lo) * j / max(1, SUB_PLANS - 1))
             add(dp.solve(sub, budget, strategy="time", memory_model=model))
     except (BudgetError, FxplanError) as exc:  # a subgraph the DP cannot plan is simply not split
-        logger.debug("no sub-plan for a segment of %d nodes: %s", len(names), exc)
+        logger.debug("no sub-plan for a segment of %s: %s", format_count(len(names), "node"), exc)
     return found
 
 

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxplan.capture.capturers import as_call
 from fxplan.capture.fakes import to_fake
+from fxplan.common.console import format_count
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import measure_fake
 from fxplan.rewriter.codegen import SegmentedModule, segment_module
@@ -44,7 +45,7 @@ class PlanMeter:
         try:
             twin = segment_module(gm, segments, children)
         except FxplanError as exc:
-            logger.debug("plan of %d segments rejected by the rewriter: %s", len(segments), exc)
+            logger.debug("plan of %s rejected by the rewriter: %s", format_count(len(segments), "segment"), exc)
             return None
         self.steps += 1
         return measure_fake(twin, inputs, fake_mode, self.loss_fn).peak_bytes, code_of(twin)

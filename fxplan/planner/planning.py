@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fxplan.common.console import format_bytes
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import GiB
@@ -102,9 +103,9 @@ def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, 
         if smallest is None and solver != "chen":
             smallest = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model, resident=resident)
         raise BudgetError(
-            f"no {solver} plan fits a peak of {budget_bytes / GiB:.3f} GiB; the smallest feasible budget is "
-            + (f"{smallest / GiB:.3f} GiB ({smallest} bytes)" if smallest else "unknown")
-            + f", of which {resident / GiB:.3f} GiB are parameters, gradients, buffers and inputs.",
+            f"no {solver} plan fits a peak of {format_bytes(budget_bytes)}; the smallest feasible budget is "
+            + (f"{format_bytes(smallest)} ({smallest} bytes)" if smallest else "unknown")
+            + f", of which {format_bytes(resident)} are parameters, gradients, buffers and inputs.",
             min_feasible_bytes=smallest,
         ) from exc
     return replace(result, predicted_peak_bytes=result.predicted_peak_bytes + resident,

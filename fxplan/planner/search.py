@@ -69,8 +69,8 @@ from typing import Any
 
 import torch
 
+from fxplan.common.console import format_bytes, format_count
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.measure.meter import GiB
 from fxplan.planner.frontier import SWEEP, Frontier, chen_plans, exact_family_size
 from fxplan.planner.nested import NestedResult, NestedSearch
 from fxplan.planner.plan_meter import PlanMeter
@@ -308,8 +308,8 @@ class Search:
                 c.rejected = True
                 return None
             c.measured, c.code = got
-            logger.debug("candidate: %d segments, recompute %.3f, replayed %d, measured %d bytes",
-                         c.plan.num_segments, c.recompute, c.replayed, c.measured)
+            logger.debug("candidate: %s, recompute %.3f, replayed %d, measured %d bytes",
+                         format_count(c.plan.num_segments, "segment"), c.recompute, c.replayed, c.measured)
             self.ratio = min(self.ratio, c.measured / c.replayed)
         return c.measured
 
@@ -640,14 +640,15 @@ class Search:
     def infeasible(self, budget_bytes: int, smallest: int) -> BudgetError:
         """The :class:`BudgetError` for ``budget_bytes``, ``smallest`` the least measured peak found."""
         if self.solver == "chen":
-            whose = "Chen's plans reach (solver='chen', the paper's baseline; the DP solvers may reach lower)"
+            whose = "Chen's plans reach (the chen solver, the paper's baseline; the DP solvers may reach lower)"
         else:
-            whose = f"fxplan reaches (solver={self.solver!r}, its search including Chen's and the other DP's plans)"
+            whose = (f"fxplan reaches with the {self.solver} solver (its search including Chen's and the other DP's "
+                     "plans)")
         return BudgetError(
-            f"no plan fits a measured peak of {budget_bytes / GiB:.3f} GiB ({budget_bytes} bytes); the smallest "
-            f"measured peak {whose} is {smallest / GiB:.3f} GiB ({smallest} bytes). Raise the budget to at "
-            f"least that (budget_bytes={smallest} is accepted) or reduce the batch size.",
+            f"no plan fits a measured peak of {format_bytes(budget_bytes)} ({budget_bytes} bytes); the smallest "
+            f"measured peak {whose} is {format_bytes(smallest)} ({smallest} bytes).",
             min_feasible_bytes=smallest,
+            advice=f"Raise the budget to at least that (budget_bytes={smallest} is accepted) or reduce the batch size.",
         )
 
     def _early_stop(self, p: Plan) -> float:
@@ -725,5 +726,10 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
                       plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP,
                                  resident=resident)]
         except FxplanError as exc:  # the exact DP's caps (moves, time): its plans are extras, not the answer
-            logger.info("fxplan: no %s DP floor plans: %s", other, exc)
+            # The error's advice ("use the approximate DP") is for a user who asked for that DP, not for this
+            # search; a user of the approximate DP loses nothing they asked for, so that is said at DEBUG only.
+            reason = str(exc).split("; use ")[0]
+            logger.log(logging.DEBUG if solver == "approx" else logging.INFO,
+                       "fxplan: the candidates leave out the %s DP's smallest plans, which it cannot solve here (%s)",
+                       other, reason)
     return plans

@@ -58,6 +58,7 @@ from fxplan.planner.search import NEGLIGIBLE, Candidate, Search, replayed_within
 from fxplan.planner.splice import SpliceError, derived, spliced
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers.costgraph import CostGraph
+from fxplan.solvers.plans import regions_recomputed
 
 logger = logging.getLogger("fxplan")
 
@@ -147,8 +148,8 @@ class Searches:
                 return None
             search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
             self._with_regions = Variant(search, self._regions, self._region_T)
-            logger.info("fxplan: made the graph with %d recomputed regions in %.1f s", len(self._regions),
-                        time.perf_counter() - t0)
+            logger.info("fxplan: made the graph with %s recomputed in backward in %.1f s",
+                        regions_recomputed([r.conv for r in self._regions]), time.perf_counter() - t0)
         return self._with_regions
 
     def _graph_with(self, regions: list) -> CostGraph:
@@ -160,7 +161,8 @@ class Searches:
             try:
                 return derived(cg, regions)
             except SpliceError as error:
-                logger.info("fxplan: tracing the graph with %d units instead of deriving it (%s)", len(regions), error)
+                logger.info("fxplan: tracing the graph with %s recomputed in backward instead of deriving it (%s)",
+                            regions_recomputed([r.conv for r in regions]), error)
         return trace(self.model, self.inputs, cost_model=cg.graph["cost_model"],
                      captured=with_regions(cg.graph["captured"], regions))
 
@@ -180,8 +182,8 @@ class Searches:
                     try:
                         return spliced(cg, every.search.cg, self._regions, subset)
                     except SpliceError as error:
-                        logger.info("fxplan: tracing a graph with %d regions instead of splicing it (%s)",
-                                    len(subset), error)
+                        logger.info("fxplan: tracing the graph with %s recomputed in backward instead of splicing "
+                                    "it (%s)", regions_recomputed([r.conv for r in subset]), error)
                         return trace(self.model, self.inputs, cost_model=cg.graph["cost_model"],
                                      captured=with_regions(cg.graph["captured"], subset))
             else:

@@ -47,6 +47,7 @@ import torch.fx as fx
 from fxplan.capture import effects
 from fxplan.capture.capturers import owning_graph_module, resolve_attr
 from fxplan.capture.portable import portable_target, restored
+from fxplan.common.console import format_count
 from fxplan.errors import FxplanError
 from fxplan.rewriter.emit import Emitter
 from fxplan.rewriter.recompute import Segment
@@ -333,7 +334,7 @@ def _validate(gm: fx.GraphModule, segments: Sequence[Sequence[str]]) -> list[lis
     missing = [v for v in compute if v not in seen]
     if missing:
         raise FxplanError(
-            f"the plan leaves out {len(missing)} compute node(s), e.g. {missing[:5]}; "
+            f"the plan leaves out {format_count(len(missing), 'compute node')}, e.g. {missing[:5]}; "
             "every compute node must be in exactly one segment"
         )
     for n in gm.graph.nodes:

@@ -29,12 +29,13 @@ from __future__ import annotations
 import math
 import time
 
+from fxplan.common.console import format_bytes
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.dp import plan_from_chain
 from fxplan.solvers.lowersets import GraphIndex, iter_bits
 from fxplan.solvers.memory_model import BoundModel, evaluate_chain, get_model
-from fxplan.solvers.plans import Plan, _fmt_bytes
+from fxplan.solvers.plans import Plan
 
 GRID_SIZE = 6
 
@@ -109,10 +110,10 @@ def _pick(ix: GraphIndex, bm: BoundModel, chains: list[list[int]], budget: int |
     if not fits:
         best = min(s[0] for s in scored)
         raise BudgetError(
-            f"none of Chen's plans fits the budget of {_fmt_bytes(budget)} ({budget} bytes) under the "
-            f"{bm.name!r} memory model; the smallest this baseline reaches is {_fmt_bytes(best)} "
-            f"({best} bytes). Raise the budget or use fxplan.solvers.dp.solve.",
-            min_feasible_bytes=int(best),
+            f"none of Chen's plans fits the budget of {format_bytes(budget)} ({budget} bytes) under the "
+            f"{bm.name!r} memory model; the smallest this baseline reaches is {format_bytes(best)} "
+            f"({best} bytes).",
+            min_feasible_bytes=int(best), advice="Raise the budget or use fxplan.solvers.dp.solve.",
         )
     return min(fits, key=lambda s: (s[1], s[0]))[2]
 
@@ -212,8 +213,8 @@ def solve(cg: CostGraph, budget_bytes: int | None = None, *, variant: str = "gre
         plan = _recursive(cg, memory_model, budget_bytes, t0)
         if budget_bytes is not None and plan.predicted_peak_bytes > budget_bytes:
             raise BudgetError(
-                f"Chen's recursive plan needs {_fmt_bytes(plan.predicted_peak_bytes)}, over the budget of "
-                f"{_fmt_bytes(budget_bytes)}", min_feasible_bytes=plan.predicted_peak_bytes)
+                f"Chen's recursive plan needs {format_bytes(plan.predicted_peak_bytes)}, over the budget of "
+                f"{format_bytes(budget_bytes)}", min_feasible_bytes=plan.predicted_peak_bytes)
         return plan
     ix = GraphIndex.build(cg)
     bm = get_model(memory_model).bind(ix)

@@ -54,12 +54,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 from fxplan.common import collector
+from fxplan.common.console import format_bytes
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.family_dp import _EPS, Context, _family_run, context, forget_context
 from fxplan.solvers.lowersets import GraphIndex, enumerate_lower_sets, iter_bits
 from fxplan.solvers.memory_model import BoundModel, evaluate_chain
-from fxplan.solvers.plans import Plan, _fmt_bytes
+from fxplan.solvers.plans import Plan
 
 __all__ = ["COMPILED_FAMILY_LIMIT", "DEFAULT_MAX_STATES", "DEFAULT_TIME_LIMIT", "FAMILY_LIMIT", "Context",
            "context", "min_budget_bytes", "plan_from_chain", "solve", "forget_context"]
@@ -341,10 +342,10 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
 
     def fail(min_b: int) -> BudgetError:
         return BudgetError(
-            f"no {solver} plan fits the budget of {_fmt_bytes(budget_bytes)} ({budget_bytes} bytes) under "
-            f"the {bm.name!r} memory model; the smallest feasible budget is {_fmt_bytes(min_b)} "
-            f"({min_b} bytes). Raise the budget, or try exact=True or strategy='memory'.",
-            min_feasible_bytes=min_b,
+            f"no {solver} plan fits the budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) under "
+            f"the {bm.name!r} memory model; the smallest feasible budget is {format_bytes(min_b)} "
+            f"({min_b} bytes).",
+            min_feasible_bytes=min_b, advice="Raise the budget, or try exact=True or strategy='memory'.",
         )
 
     if strategy == "memory":

@@ -11,24 +11,42 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fxplan.common.console import format_bytes, format_count
 from fxplan.solvers.units import PREFIX as UNIT_PREFIX
 from fxplan.solvers.units import Unit
 
 
-def _fmt_bytes(b: float) -> str:
-    if abs(b) >= 1 << 30:
-        return f"{b / (1 << 30):.2f} GiB"
-    if abs(b) >= 1 << 20:
-        return f"{b / (1 << 20):.1f} MiB"
-    return f"{b / 1024:.1f} KiB"
+def regions_recomputed(regions: list[str]) -> str:
+    """What a plan's ``regions`` (by name) recompute in backward, counted as the plan's summary and the search's log
+    both say it: the distinct cheap values that units of recomputed inputs drop (``13 cheap values``: several units
+    may share none, one unit drops several), or the convolutions whose BatchNorm and ReLU are recomputed."""
+    units = [r for r in regions if r.startswith(UNIT_PREFIX)]
+    if len(units) < len(regions):
+        return f"the BatchNorm and ReLU in front of {format_count(len(regions) - len(units), 'convolution')}"
+    return format_count(len({v for u in units for v in Unit.parse(u).dropped}), "cheap value")
+
+
+def recompute_note(fraction: float, plan: Plan | None = None) -> str:
+    """Why a recompute share above one forward pass is possible, to show beside it (``''`` at or below 100%): a value
+    is recomputed more than once where a nested plan re-runs a sub-segment at each level holding it, or where a unit
+    of recomputed inputs recomputes a cheap value in the backward of each node that keeps it. With ``plan``, the
+    reasons that plan has; without, both."""
+    if fraction <= 1.0 + 1e-9:
+        return ""
+    reasons = []
+    if plan is None or plan.children:
+        reasons.append("nested plan, a sub-segment is recomputed again at each level")
+    if plan is None or any(r.startswith(UNIT_PREFIX) for r in plan.regions):
+        reasons.append("a cheap value is recomputed for each node that keeps it")
+    if plan is not None and any(not r.startswith(UNIT_PREFIX) for r in plan.regions):
+        reasons.append("the BatchNorm and ReLU in front of a convolution are recomputed inside recomputed segments too")
+    if not reasons:
+        reasons.append("a value is recomputed in more than one segment's backward")
+    return f" (values recomputed more than once: {'; '.join(reasons)})"
 
 
 def _fmt_seconds(s: float) -> str:
     return f"{s:.3g} s" if s >= 1 else f"{1000 * s:.3g} ms"
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 @dataclass
@@ -135,12 +153,12 @@ class Plan:
         k = self.num_segments
         aim = {"time": "least recomputation within the budget", "memory": "lowest peak"}.get(self.strategy,
                                                                                            self.strategy)
-        budget = _fmt_bytes(self.budget_bytes) if self.budget_bytes is not None else "none given"
-        predicted = _fmt_bytes(self.predicted_peak_bytes)
-        lines = [f"Plan: {_count(k, 'segment')}, found by {self.solver} ({aim}) in {self.solve_seconds:.2f} s"]
+        budget = format_bytes(self.budget_bytes) if self.budget_bytes is not None else "none given"
+        predicted = format_bytes(self.predicted_peak_bytes)
+        lines = [f"Plan: {format_count(k, 'segment')}, found by {self.solver} ({aim}) in {self.solve_seconds:.2f} s"]
         if self.measured_peak_bytes is not None:
             lines += [
-                f"  budget {budget}; peak of one training step: {_fmt_bytes(self.measured_peak_bytes)} measured, "
+                f"  budget {budget}; peak of one training step: {format_bytes(self.measured_peak_bytes)} measured, "
                 f"{predicted} predicted",
                 "  (measured: one step of the rewritten model, counted exactly on fake tensors; the budget holds this.",
                 "   predicted: " + ("the step replayed node by node from the traced graph, a check on the measurement"
@@ -151,7 +169,8 @@ class Plan:
         else:
             lines.append(f"  budget {budget}; predicted peak of one training step {predicted} (the planner's "
                          "memory model; fxplan.rewrite measures the real peak)")
-        recomputed = f"  recomputed in backward: {100 * self.recomputed_fraction:.1f}% of one forward pass"
+        recomputed = (f"  recomputed in backward: {100 * self.recomputed_fraction:.1f}% of one forward pass"
+                      + recompute_note(self.recomputed_fraction, self))
         if self.early_stop_fraction:
             recomputed += (f" ({100 * self.recompute_fraction:.1f}% is checkpointed; checkpoint's early stop skips "
                            f"the rest)")
@@ -164,11 +183,13 @@ class Plan:
             share = f"{100 * self.region_recompute_fraction:.1f}% of a forward pass, included above"
             units = [r for r in self.regions if r.startswith(UNIT_PREFIX)]
             if len(units) < len(self.regions):
-                lines.append(f"  {_count(len(self.regions) - len(units), 'convolution')} keep their output and "
-                             f"recompute the BatchNorm and ReLU in front of them in backward ({share})")
+                one = len(self.regions) - len(units) == 1
+                lines.append(f"  {regions_recomputed(self.regions)} recomputed in backward, where "
+                             + ("the convolution keeps its" if one else "the convolutions keep their")
+                             + f" output ({share})")
             else:
-                values = {v for u in units for v in Unit.parse(u).dropped}
-                lines.append(f"  {_count(len(values), 'cheap value')} ({', '.join(sorted(values)[:4])}"
+                values = sorted({v for u in units for v in Unit.parse(u).dropped})
+                lines.append(f"  {regions_recomputed(self.regions)} ({', '.join(values[:4])}"
                              f"{', …' if len(values) > 4 else ''}) dropped after the forward pass and recomputed "
                              f"in the backward of the nodes that keep them ({share})")
         lines += self._segment_lines("  ", top=True)
@@ -188,10 +209,11 @@ class Plan:
             else:
                 what = "recomputed in backward"
             lines.append(
-                f"{indent}[{i}] {_count(len(seg), 'op')} {seg[0]} … {seg[-1]}; keeps {_count(len(kept), 'value')}"
+                f"{indent}[{i}] {format_count(len(seg), 'op')} {seg[0]} … {seg[-1]}; "
+                f"keeps {format_count(len(kept), 'value')}"
                 + (f" [{shown}]" if kept else "")
                 + f"; {what}"
-                + (f"; predicted peak during its backward {_fmt_bytes(self.segment_peak_bytes[i])}"
+                + (f"; predicted peak during its backward {format_bytes(self.segment_peak_bytes[i])}"
                    if i < len(self.segment_peak_bytes) else "")
             )
             if str(i) in self.children:
