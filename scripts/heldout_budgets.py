@@ -1,4 +1,4 @@
-"""Budget fidelity on models outside the zoo (issue 12): the checks tests/test_budget.py makes on ResNet-18.
+"""Budget fidelity on models outside the zoo: the checks tests/test_budget.py makes on ResNet-18.
 
 Usage: python scripts/heldout_budgets.py NAME... [--batch-size N] [--input-size H] [--points K]
 

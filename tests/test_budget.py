@@ -1,4 +1,4 @@
-"""Budgets held to measured memory (issue 12, points 1-7 and 12): monotonic budgets, a true minimum that
+"""Budgets held to measured memory: monotonic budgets, a true minimum that
 is accepted as a budget, the step a training loop runs, models that hold gradients, one answer from
 ``fxplan.plan`` and ``fxplan.rewrite``, no recomputation when it saves nothing, Chen's plan within budget.
 """
@@ -170,7 +170,7 @@ def test_a_fake_convnet_with_batchnorm_that_holds_gradients_fits_as_the_loop_run
 
 
 class TwoInputs(nn.Module):
-    """Two inputs, a dict output and an in-place add, like the model of issue 12, point 2."""
+    """Two inputs, a dict output and an in-place add."""
 
     def __init__(self):
         super().__init__()

@@ -63,7 +63,7 @@ def test_other_unknown_or_unsupported_names(name, message, capsys):
     (["compare", "vgg19", "--time-limit", "inf"], "--time-limit: must be a finite number of seconds"),
 ])
 def test_bad_numbers_are_rejected_while_parsing(argv, message, capsys, monkeypatch):
-    """Argument errors exit 2 before any model is resolved or built (issue 12, point 9)."""
+    """Argument errors exit 2 before any model is resolved or built."""
     monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("work started"))
     with pytest.raises(SystemExit) as info:
         main(argv)

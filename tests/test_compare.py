@@ -235,7 +235,7 @@ def test_cli_handler_writes_the_report(tmp_path, monkeypatch, capsys):
 
 
 def test_unknown_name_fails_before_any_work(tmp_path, monkeypatch, capsys):
-    """`compare tiny nosuch` must not measure tiny first (issue 12, point 8)."""
+    """`compare tiny nosuch` must not measure tiny first."""
     _tiny_entry(monkeypatch)
     monkeypatch.setattr("fxplan.compare.driver.compare_network", lambda *a, **k: pytest.fail("work started"))
     assert cli.main(["compare", "tiny", "nosuch", "--out", str(tmp_path / "r"), "--quiet"]) == 1

@@ -631,7 +631,7 @@ def test_state_the_forward_keeps_outside_tensors_is_refused_and_buffers_rebound_
     value): two captures differ, refused, the attribute put back. One the forward sets before it reads it gives
     the same graph twice: exact. A buffer the forward rebinds is captured by torch.export, which records the
     new value (symbolic_trace froze it and left the model's buffer changed): exact, in eval mode too (the
-    original forward that eval calls run rebound the original's buffer alone before session 23)."""
+    original forward that eval calls run would rebind the original's buffer alone)."""
     x = torch.randn(8, 16)
     assert_rewrite_exact(_ScratchAttribute(), (x,), None)
     counter = _CallCounter()

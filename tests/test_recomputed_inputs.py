@@ -111,7 +111,7 @@ def test_gpt2_units_drop_the_norms_and_the_gelus_values_and_the_replay_sees_it()
 
 
 def _residual_blocks(blocks: int):
-    """LayerNorm -> Linear -> GELU -> Linear, residual (issue 10's synthetic network), and a fake input."""
+    """LayerNorm -> Linear -> GELU -> Linear, residual (a synthetic network), and a fake input."""
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()

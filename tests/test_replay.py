@@ -421,7 +421,7 @@ def test_replay_is_exact_on_flat_and_nested_plans(case, tolerance):
     by up to 0.07% and the ResNet's by 0.007% on nested plans, where a recomputed BatchNorm keeps for its
     backward the copies of its running statistics that the buffer guard swapped in, which the replay leaves
     out; the guard's copies made before each checkpointed forward, at every level of a nested plan, are
-    replayed since session 28: before, DenseNet 0.06-0.14% and the ResNet 0.02-0.03% under), on plans whose
+    replayed: without them, DenseNet 0.06-0.14% and the ResNet 0.02-0.03% under), on plans whose
     peaks the replay used to miss (by up to 8.5% on the attention and 0.13% on the
     ResNet): in the backward or the recomputed forward of an attention decomposed into several ops (their
     temporaries come from the trace: ``forward_rise``, ``backward_rise``), through the views ``split``

@@ -170,7 +170,7 @@ def test_a_rewritten_transformer_survives_torch_save_and_load():
 def test_a_budget_above_the_canonical_plans_smallest_peak_gets_no_more_recomputation_than_a_smaller_one():
     # tiny Llama: the canonical plans that fit 0.77 of vanilla recompute 1.37 of a forward (five segments over every
     # unit); a nested plan of a lower peak recomputes 0.92 and fits too, and was the answer only below every
-    # canonical plan, so that budget was given more recomputation than the smallest one (session 27)
+    # canonical plan, so that budget was given more recomputation than the smallest one
     entry, model, inputs, vanilla = _tiny_llama()
     smallest = fxplan.min_budget_bytes(model, inputs, loss_fn=entry.loss)
     plans = []
