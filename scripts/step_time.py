@@ -8,7 +8,7 @@ For each network (real tensors on the CPU, or CUDA when available) and each cost
 time-centric plan at the smallest budget fxplan reaches (nested plans and recomputed regions included, as
 ``fxplan.rewrite(model, None)`` chooses: :mod:`fxplan.planner.variants`), and at the budget halfway between that
 smallest measured peak (the least over the cost models) and vanilla's, and at ``--fractions`` of vanilla's
-peak (0.5 by default). All modules are then timed together by
+peak (none by default). All modules are then timed together by
 :func:`fxplan.measure.timing.time_interleaved` (warm-up round, rotated interleaved rounds, fixed thread count);
 the table gives each one's median step, its ratio to vanilla as the median and interquartile range of
 per-round ratios ("within noise" when that range contains 1.0), and the predicted
