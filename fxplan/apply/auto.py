@@ -23,7 +23,7 @@ import torch
 
 from fxplan.apply import runtime
 from fxplan.apply.op_map import node_ops
-from fxplan.apply.regions import RegionPlan, regions_for
+from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for
 from fxplan.capture.capturers import ExampleCall, as_call
 from fxplan.capture.fakes import caches_kept_real
 from fxplan.common import collector
@@ -170,7 +170,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     cg = trace(model, call, probe_units=solver != "chen")
     captured = cg.graph["captured"]
     ops = node_ops(model, captured, call)
-    tree = _module_tree(model)
+    tree, blocks = _module_tree(model), _blocks(model)
     searches = Searches(cg, model, call, solver=solver, loss_fn=loss_fn)
     logger.info("fxplan: traced %s (%d nodes) in %.1f s; applying plans to its modules", type(model).__name__,
                 cg.number_of_nodes(), time.perf_counter() - t0)
@@ -190,10 +190,10 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             break
         tried.add(signature)
         made = [_applied(model, call, cg, ops, graph_plan, regions_for(
-            graph_plan, ops, captured.gm, tree, regionable, aligned=aligned), vanilla, budget, loss_fn)
-            for aligned in (False, True)]
+            graph_plan, ops, captured.gm, tree, regionable, mapping=mapping, blocks=blocks), vanilla, budget,
+            loss_fn) for mapping in MAPPINGS]
         made = [a for a in made if a is not None]
-        if not made:  # neither mapping trains: try the smallest plan, which maps otherwise
+        if not made:  # no mapping trains: try the smallest plan, which maps otherwise
             if target is None:
                 break
             target = None
@@ -311,6 +311,12 @@ def _module_tree(model: torch.nn.Module) -> dict[str, list[str]]:
     for path, module in model.named_modules():
         tree[path] = [f"{path}.{name}" if path else name for name, _ in module.named_children()]
     return tree
+
+
+def _blocks(model: torch.nn.Module) -> frozenset[str]:
+    """The paths of the items of the model's module lists and sequences: its repeated blocks."""
+    return frozenset(f"{path}.{name}" if path else name for path, module in model.named_modules()
+                     if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) for name in module._modules)
 
 
 def _regionable(model: torch.nn.Module, call: ExampleCall,

@@ -4,12 +4,14 @@ A plan (:class:`~fxplan.solvers.plans.Plan`) keeps, of the captured graph's valu
 segment to a later one (its ``boundaries``) and what the last segment's ops save, and drops the values of its
 recomputed regions and units. :func:`regions_for` turns that into the model's own vocabulary:
 
-* **Regions.** Submodules, from the top of the module tree down: the largest modules called once per step, or
-  (``aligned``) the largest whose nodes lie in one segment, a module whose recomputed nodes span several
-  segments being split into its children. A module with nothing to recompute is left alone, and the root never
-  is a region (its ``forward`` and signature stay the user's). Nodes outside every region run as in the model:
-  what they save is kept. Either granularity loses something against the plan (below); the search measures
-  both.
+* **Regions.** Submodules, from the top of the module tree down, in one of three :data:`MAPPINGS`:
+  ``largest``, the largest modules called once per step; ``aligned``, the largest whose nodes lie in one
+  segment, a module whose recomputed nodes span several segments being split into its children; ``blocks``,
+  the items of the model's module lists and sequences (a decoder's layers, a ResNet stage's blocks), the
+  repeated unit that per-layer checkpointing wraps. A module with nothing to recompute is left alone, and the
+  root never is a region (its ``forward`` and signature stay the user's). Nodes outside every region run as in
+  the model: what they save is kept. Each mapping loses something against the plan (below); the search
+  measures all three.
 * **Decisions.** Inside a region, each op call (operator, and how many calls of that operator came before it in
   the region's forward: :mod:`fxplan.apply.op_map`) is saved where it makes a value the plan keeps, and
   recomputed otherwise; views are always recomputed (they cost nothing). Three rules keep the step exact: a call
@@ -105,13 +107,18 @@ def kept_values(plan: Plan, nodes: dict[str, NodeOps], dropped: set[str]) -> tup
     return kept - dropped, segment_of
 
 
+#: How a plan's segments become checkpointed modules (module docstring).
+MAPPINGS = ("largest", "aligned", "blocks")
+
+
 def regions_for(plan: Plan, nodes: dict[str, NodeOps], gm: torch.fx.GraphModule,
-                children: dict[str, list[str]], regionable: set[str], *, aligned: bool) -> list[RegionPlan]:
-    """The checkpointed regions that carry ``plan`` (module docstring); ``children`` maps each module path to
-    its children's, ``regionable`` names the modules that may be regions (called once per step, with plain
-    arguments, and not refused by a check of their op calls). ``aligned``: regions lie in
-    one segment each (else they are the largest modules called once, segments or not, and a segment's
-    boundary inside one is a value it saves)."""
+                children: dict[str, list[str]], regionable: set[str], *, mapping: str,
+                blocks: frozenset[str] = frozenset()) -> list[RegionPlan]:
+    """The checkpointed regions that carry ``plan`` in one of the :data:`MAPPINGS` (module docstring).
+    ``children`` maps each module path to its children's; ``regionable`` names the modules that may be regions
+    (called once per step, with plain arguments); ``blocks`` the items of module lists and sequences, the
+    regions of the ``blocks`` mapping. Where a region's nodes span segments, a segment's boundary inside it is
+    a value it saves."""
     dropped = dropped_values(plan, gm)
     kept, segment_of = kept_values(plan, nodes, dropped)
     recomputed = {v for v, ops in nodes.items() if v not in kept and any(c.makes_value for c in ops.calls)}
@@ -125,7 +132,8 @@ def regions_for(plan: Plan, nodes: dict[str, NodeOps], gm: torch.fx.GraphModule,
         if members and not any(v in recomputed for v in members):
             return []
         segments = {segment_of[v] for v in members if v in segment_of and v not in dropped}
-        if members and path and path in regionable and (len(segments) <= 1 or not aligned):
+        fits = {"largest": True, "aligned": len(segments) <= 1, "blocks": path in blocks}[mapping]
+        if members and path and path in regionable and fits:
             region = _decide(path, [nodes[v] for v in members], kept)
             if region is not None:
                 return [region]
