@@ -13,6 +13,7 @@ import fxplan
 from fxplan.apply.regions import RegionPlan
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as every bitwise comparison of the suite runs
 
 
 def _tiny_gpt2(seed: int = 0) -> nn.Module:
