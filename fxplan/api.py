@@ -242,7 +242,6 @@ class LazyRewrite(torch.nn.Module):
         self.__dict__["_buffers"] = model._buffers
         self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
         self.__dict__["_fxplan_original"] = model
-        self.__dict__["fxplan_module"] = None
         self._settings = dict(budget_bytes=budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
         self._shapes: tuple | None = None
         self._planned: collections.OrderedDict[tuple, torch.nn.Module] = collections.OrderedDict()
@@ -273,6 +272,11 @@ class LazyRewrite(torch.nn.Module):
         self._sign_forward()
 
     @property
+    def fxplan_module(self) -> torch.nn.Module | None:
+        """The rewritten module of the input shapes of the last training call (None before the first)."""
+        return self._planned.get(self._shapes)
+
+    @property
     def fxplan_plan(self) -> Plan | None:
         return None if self.fxplan_module is None else self.fxplan_module.fxplan_plan
 
@@ -283,10 +287,12 @@ class LazyRewrite(torch.nn.Module):
             return original(*args, **kwargs)
         shapes = _shape_key(args, kwargs)
         if shapes != self._shapes:
-            self.__dict__["fxplan_module"] = self._module_for(shapes, args, kwargs)
+            module = self._module_for(shapes, args, kwargs)
             self._shapes = shapes
-        self.fxplan_module.training = self.training
-        return self.fxplan_module(*args, **kwargs)
+        else:
+            module = self.fxplan_module
+        module.training = self.training
+        return module(*args, **kwargs)
 
 
     def _module_for(self, shapes: tuple, args: tuple, kwargs: dict[str, Any]) -> torch.nn.Module:

@@ -26,6 +26,7 @@ from fxplan.apply.op_map import node_ops
 from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for
 from fxplan.capture.capturers import ExampleCall, as_call
 from fxplan.capture.fakes import caches_kept_real
+from fxplan.capture.guards import is_compiled
 from fxplan.common import collector
 from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.trace import trace
@@ -316,7 +317,8 @@ def _module_tree(model: torch.nn.Module) -> dict[str, list[str]]:
 def _blocks(model: torch.nn.Module) -> frozenset[str]:
     """The paths of the items of the model's module lists and sequences: its repeated blocks."""
     return frozenset(f"{path}.{name}" if path else name for path, module in model.named_modules()
-                     if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) for name in module._modules)
+                     if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
+                     for name, _ in module.named_children())
 
 
 def _regionable(model: torch.nn.Module, call: ExampleCall,
@@ -374,7 +376,7 @@ def _refuse_wrapped(model: torch.nn.Module) -> None:
     if sharded and any(isinstance(m, sharded) for m in model.modules()):
         raise FxplanError(f"{type(model).__name__} is already sharded with FSDP: call fxplan.auto_checkpoint "
                           "before fully_shard (plan first, then shard)")
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if is_compiled(model):
         raise FxplanError("the model is compiled (torch.compile): call fxplan.auto_checkpoint on the module, then "
                           "compile it")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -206,7 +206,7 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> Captured:
     call = as_call(example_inputs)
     _check_call(model, call)
     refuse_torchscript(model)
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if guards.is_compiled(model):
         raise TraceError(f"{type(model._orig_mod).__name__} is already compiled (torch.compile): plan the module "
                          "first, then compile what fxplan returns")
 

@@ -99,6 +99,11 @@ def _plain_attributes_set(model: torch.nn.Module) -> Iterator[dict[tuple[torch.n
         yield changed
 
 
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is the module ``torch.compile`` returns (its forward runs compiled code)."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+
+
 def refuse_torchscript(model: torch.nn.Module) -> None:
     """:class:`TraceError` naming the TorchScript modules in ``model`` (outermost only), if any."""
     scripted: list[str] = []

@@ -42,6 +42,7 @@ from fxplan.capture.fakes import (
     tensor_attributes,
     to_fake,
 )
+from fxplan.capture.guards import is_compiled
 from fxplan.errors import FxplanError
 from fxplan.measure.scratch import METADATA_QUERIES, call_figures, output_storages, storage_bytes
 
@@ -231,11 +232,6 @@ def measure_step(
     if device.type == "cuda":
         return cuda_step_stats(real_copy(model), inputs, loss_fn, device)
     return _measure_tracked(real_copy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
-
-
-def is_compiled(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is the module ``torch.compile`` returns."""
-    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def _measure_compiled(model: torch.nn.Module, call: Any, loss_fn: Callable[[Any], torch.Tensor],
