@@ -183,3 +183,18 @@ def test_trainer_with_default_arguments_trains_the_planned_model(tmp_path):
     for (name, a), (_, b) in zip(planned.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     assert planned.generate(ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
+
+
+def test_a_model_no_mapping_lowers_is_left_as_it_is():
+    """ResNet-50's in-place ReLUs and BatchNorms leave its checkpointed modules above its unplanned peak: no
+    plan is applied rather than one that peaks higher."""
+    import torchvision
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = torchvision.models.resnet50()
+    with FakeTensorMode():
+        x = (torch.randn(16, 3, 112, 112),)
+    fxplan.auto_checkpoint(model, example_inputs=x)
+    plan = model.fxplan_plan
+    assert plan.measured_peak_bytes <= plan.vanilla_peak_bytes
+    assert not plan.regions or plan.measured_peak_bytes < plan.vanilla_peak_bytes

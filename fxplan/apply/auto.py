@@ -209,9 +209,10 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
         if budget is not None and applied.measured_peak_bytes <= budget or target is None:
             break
         target = target - (applied.measured_peak_bytes - budget)
-    if best is None:
-        logger.info("fxplan: no plan applied to %s's modules trains; the model is left as it is (fxplan.rewrite "
-                    "plans it without the modules' boundaries)", type(model).__name__)
+    if best is None or best.measured_peak_bytes >= vanilla:
+        logger.info("fxplan: no plan applied to %s's modules %s; the model is left as it is (fxplan.rewrite "
+                    "plans it without the modules' boundaries)", type(model).__name__,
+                    "trains" if best is None else "peaks below its unplanned step")
         best = AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget)
     if budget is not None and best.measured_peak_bytes > budget:
         smallest = best.measured_peak_bytes
