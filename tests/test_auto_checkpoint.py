@@ -156,9 +156,19 @@ def test_region_json_round_trip_keeps_decisions():
     assert again.decisions() == {"aten.mm.default": (True, False)}
 
 
-def test_trainer_with_default_arguments_trains_the_planned_model(tmp_path):
-    """Trainer keeps the dataset's columns (the signature is the model's), and its losses are the unplanned
-    model's; save_pretrained / from_pretrained round trip with GPT-2's tied weights."""
+def _tiny_llama(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                      max_position_embeddings=64, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("make", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
+def test_trainer_with_default_arguments_trains_the_planned_model_within_its_budget(make, tmp_path):
+    """Trainer keeps the dataset's columns (the signature is the model's), its losses are the unplanned
+    model's, a real step of the trained model peaks within the budget, and save_model / from_pretrained round
+    trip (GPT-2's weights are tied)."""
     pytest.importorskip("accelerate")
     ids = torch.randint(0, 1000, (12, 64), generator=torch.Generator().manual_seed(0))
     rows = [{"input_ids": row, "labels": row} for row in ids]
@@ -171,15 +181,18 @@ def test_trainer_with_default_arguments_trains_the_planned_model(tmp_path):
         trainer.train()
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], trainer
 
-    planned = _tiny_gpt2()
+    planned = make()
     batch = {"input_ids": ids[:4], "labels": ids[:4]}
-    vanilla = fxplan.measure_step(planned, batch, fake=True, loss_fn=_loss).peak_bytes
-    fxplan.auto_checkpoint(planned, budget_bytes=int(0.85 * vanilla), example_inputs=batch, loss_fn=_loss)
+    budget = int(0.7 * fxplan.measure_step(planned, batch, fake=True, loss_fn=_loss).peak_bytes)
+    fxplan.auto_checkpoint(planned, budget_bytes=budget, example_inputs=batch, loss_fn=_loss)
+    assert planned.fxplan_plan.regions
     losses, trainer = train(planned, tmp_path / "planned")
-    reference, _ = train(_tiny_gpt2(), tmp_path / "reference")
+    reference, _ = train(make(), tmp_path / "reference")
     assert len(losses) == 3 and losses == reference
+    planned.zero_grad(set_to_none=True)
+    assert fxplan.measure_step(planned, batch, loss_fn=_loss).peak_bytes <= budget  # a real step, profiled
     trainer.save_model(str(tmp_path / "saved"))
-    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "saved"))
+    loaded = type(planned).from_pretrained(str(tmp_path / "saved"))
     for (name, a), (_, b) in zip(planned.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     assert planned.generate(ids[:1, :8], max_new_tokens=4, do_sample=False).shape == (1, 12)
