@@ -4,7 +4,8 @@ under torch.compile, beside compile's own ``activation_memory_budget``, side by 
 A tiny GPT-2 from its config class (random weights, dropout off, ``use_cache=False``), one batch of token ids.
 Each compiled module runs one step to compile, then one measured step; the peak is read from torch.profiler's
 allocation events (:func:`fxplan.measure.meter.profiled_step_peak`, which sees compiled kernels' buffers) and
-printed as a share of the eager unplanned step's peak, measured the same way. Run:
+printed as a share of the eager unplanned step's peak, measured the same way. The last rows plan for the
+compiled step itself (``compile_backend``), at budgets that are shares of that eager peak. Run:
 
     python scripts/compile_peaks.py [--batch-size 16] [--backend inductor]
 """
@@ -77,6 +78,16 @@ def main() -> None:
                                    loss_fn=_loss)
         row(f"rewrite ({'smallest' if share is None else share})",
             f"{rewritten.fxplan_measured_peak_bytes / fake_vanilla:.3f}", rewritten)
+    for share in (0.5, 0.45):
+        planned = copy.deepcopy(model)
+        try:
+            fxplan.auto_checkpoint(planned, example_inputs=batch, loss_fn=_loss, budget_bytes=int(share * eager),
+                                   compile_backend=args.backend)
+        except fxplan.BudgetError as error:
+            print(f"| auto_checkpoint (compiled, {share}) | refused: {error.fact} | - | - |")
+            continue
+        measured = planned.fxplan_plan.measured_peak_bytes / eager
+        row(f"auto_checkpoint (compiled, {share})", f"{measured:.3f} (compiled)", planned)
 
 
 if __name__ == "__main__":

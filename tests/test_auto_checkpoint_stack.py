@@ -134,6 +134,44 @@ def test_a_compiled_module_is_measured_compiled_and_planned_only_before_compilin
     assert measured.peak_bytes > 2 * parameter_bytes  # parameters and the gradients the step makes, at least
 
 
+def _inductor_peak(model, batch, **compile_config) -> int:
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    with functorch_config.patch(**compile_config):
+        peak = fxplan.measure_step(torch.compile(model, backend="inductor"), batch, loss_fn=_loss).peak_bytes
+    torch._dynamo.reset()
+    return peak
+
+
+def test_under_inductor_a_budget_below_what_compile_reaches_alone_is_held():
+    """Planned for the compiled step (compile_backend), the inductor-compiled planned step peaks within a budget
+    below the peak compile reaches with its own activation_memory_budget, and its loss is the compiled
+    original's (inductor fuses differently in the checkpointed regions: close, not bitwise)."""
+    model, batch = _gpt2_and_batch(batch_size=16)
+    for dropout in ("attn_pdrop", "resid_pdrop", "embd_pdrop"):
+        setattr(model.config, dropout, 0.0)
+    model = type(model)(model.config)
+    compile_alone = _inductor_peak(model, batch, activation_memory_budget=0.5)
+    budget = int(0.95 * compile_alone)
+    planned = copy.deepcopy(model)
+    fxplan.auto_checkpoint(planned, budget_bytes=budget, example_inputs=batch, loss_fn=_loss,
+                           compile_backend="inductor")
+    plan = planned.fxplan_plan
+    assert plan.regions and plan.compile_backend == "inductor" and plan.measured_peak_bytes <= budget
+    assert "compiled with torch.compile(backend='inductor')" in plan.summary()
+    losses = []
+    for module in (model, planned):
+        torch._dynamo.reset()
+        losses.append(torch.compile(module, backend="inductor")(**batch).loss.detach())
+    torch.testing.assert_close(*losses)
+    with pytest.raises(FxplanError, match="real tensors"):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = {k: mode.from_tensor(v) for k, v in batch.items()}
+        fxplan.auto_checkpoint(copy.deepcopy(model), example_inputs=fake, loss_fn=_loss, compile_backend="inductor")
+
+
 def test_a_peft_lora_model_is_planned_and_trains_exactly():
     peft = pytest.importorskip("peft")
     model, batch = _gpt2_and_batch()

@@ -25,7 +25,7 @@ from fxplan.apply import runtime
 from fxplan.apply.op_map import node_ops
 from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for
 from fxplan.capture.capturers import ExampleCall, as_call
-from fxplan.capture.fakes import caches_kept_real
+from fxplan.capture.fakes import caches_kept_real, has_fake
 from fxplan.capture.guards import is_compiled
 from fxplan.common import collector
 from fxplan.common.console import format_bytes, format_count
@@ -56,15 +56,18 @@ class AppliedPlan:
     budget_bytes: int | None
     graph_plan: Plan | None = field(default=None, repr=False)  # the planner's plan it carries (not saved)
     recompute_fraction: float = 0.0  # of one forward pass's cost, as the cost graph prices the recomputed nodes
+    compile_backend: str | None = None  # the torch.compile backend its peaks were measured under, if any
 
     def summary(self) -> str:
         saved = sum(r.saved_calls for r in self.regions)
         calls = sum(len(r.ops) for r in self.regions)
         budget = "the smallest peak" if self.budget_bytes is None else f"a budget of {format_bytes(self.budget_bytes)}"
+        meter = ("fake tensors, exact" if self.compile_backend is None else
+                 f"a real step compiled with torch.compile(backend={self.compile_backend!r})")
         lines = [
             f"fxplan plan applied to {self.model_class} for {budget} (input shapes {self.input_shapes})",
             f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
-            f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; fake tensors, exact)",
+            f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; {meter})",
             f"  {format_count(len(self.regions), 'checkpointed module')}; of their {format_count(calls, 'op call')}, "
             f"{saved} saved and {calls - saved} recomputed in backward",
             f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass (cost model)",
@@ -80,7 +83,7 @@ class AppliedPlan:
             "model_class": self.model_class, "input_shapes": self.input_shapes,
             "regions": [r.to_dict() for r in self.regions], "measured_peak_bytes": self.measured_peak_bytes,
             "vanilla_peak_bytes": self.vanilla_peak_bytes, "budget_bytes": self.budget_bytes,
-            "recompute_fraction": self.recompute_fraction,
+            "recompute_fraction": self.recompute_fraction, "compile_backend": self.compile_backend,
         })
 
     @staticmethod
@@ -88,7 +91,8 @@ class AppliedPlan:
         d = json.loads(text)
         return AppliedPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
                            d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
-                           recompute_fraction=d.get("recompute_fraction", 0.0))
+                           recompute_fraction=d.get("recompute_fraction", 0.0),
+                           compile_backend=d.get("compile_backend"))
 
 
 @caches_kept_real()
@@ -103,6 +107,7 @@ def auto_checkpoint(
     strategy: str = "time",
     solver: str = "approx",
     plan: AppliedPlan | None = None,
+    compile_backend: str | None = None,
 ) -> torch.nn.Module:
     """Plan ``model`` for a budget and apply the plan to its own modules; returns ``model`` itself.
 
@@ -115,6 +120,13 @@ def auto_checkpoint(
     :class:`AppliedPlan` (``summary()``, ``to_json()``); :func:`remove_checkpoints` takes it off again.
     ``plan`` applies a plan made before (for the same class; measured again on these inputs).
 
+    ``compile_backend`` names the ``torch.compile`` backend the model will train under (``"inductor"``): the
+    budget is then of the compiled step, and the unplanned model and each plan found are measured as
+    :func:`fxplan.measure_step` measures a compiled module, one real step after one that compiles (so
+    ``example_inputs`` must be real tensors, and every measurement compiles; ``torch._dynamo.reset()`` runs
+    before each, so other compiled functions of the process compile again at their next call). Compile
+    frees and fuses what eager code keeps, so a plan's compiled step often peaks well below its eager one.
+
     Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the smallest peak measured.
     """
     if not isinstance(model, torch.nn.Module):
@@ -125,13 +137,16 @@ def auto_checkpoint(
     call = as_call(example_inputs)
     remove_checkpoints(model)
     shapes = _shapes(call)
-    key = (type(model).__qualname__, shapes, budget, strategy, solver, loss_fn)
+    key = (type(model).__qualname__, shapes, budget, strategy, solver, loss_fn, compile_backend)
     if plan is None and key in _KEPT and _same_structure(model, _KEPT[key]):
         plan = _KEPT[key]
         logger.info("fxplan: applying the plan made for another %s of these shapes", type(model).__name__)
     if plan is not None:
         return _apply_given(model, plan, call, loss_fn)
-    applied = _search(model, call, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+    if compile_backend is not None and has_fake(model, (call.args, call.kwargs)):
+        raise FxplanError("compile_backend measures real compiled steps: give example_inputs as real tensors")
+    applied = _search(model, call, budget, strategy=strategy, solver=solver, loss_fn=loss_fn,
+                      compile_backend=compile_backend)
     _KEPT[key] = applied
     runtime.install(model, applied.regions)
     model.fxplan_plan = applied
@@ -150,10 +165,12 @@ def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall,
     if plan.model_class != type(model).__qualname__:
         raise FxplanError(f"this plan was made for {plan.model_class}, not {type(model).__qualname__}; plan this "
                           "model with fxplan.auto_checkpoint(model, ..., example_inputs=...)")
+    backend = None if has_fake(model, (call.args, call.kwargs)) else plan.compile_backend
+    measured = (_compiled_peak(model, call, plan.regions, loss_fn, backend) if backend else
+                _measure_applied(model, call, plan.regions, loss_fn))
     runtime.install(model, plan.regions)
-    measured = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
     model.fxplan_plan = AppliedPlan(plan.model_class, _shapes(call), plan.regions, measured, plan.vanilla_peak_bytes,
-                                    plan.budget_bytes, plan.graph_plan, plan.recompute_fraction)
+                                    plan.budget_bytes, plan.graph_plan, plan.recompute_fraction, backend)
     if plan.input_shapes != model.fxplan_plan.input_shapes:
         logger.warning("fxplan: this plan was made for input shapes %s and is applied for %s (measured peak %s)",
                        plan.input_shapes, model.fxplan_plan.input_shapes, format_bytes(measured))
@@ -161,13 +178,17 @@ def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall,
 
 
 def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, strategy: str, solver: str,
-            loss_fn: Callable[[Any], torch.Tensor] | None) -> AppliedPlan:
+            loss_fn: Callable[[Any], torch.Tensor] | None, compile_backend: str | None) -> AppliedPlan:
     t0 = time.perf_counter()
     regionable, vanilla = _regionable(model, call, loss_fn)
+    if compile_backend is not None:
+        vanilla = _compiled_peak(model, call, [], loss_fn, compile_backend)
+    unplanned = AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget,
+                            compile_backend=compile_backend)
     if budget is not None and budget >= vanilla:
         logger.info("fxplan: the budget %s is above the unplanned peak %s: nothing to checkpoint",
                     format_bytes(budget), format_bytes(vanilla))
-        return AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget)
+        return unplanned
     cg = trace(model, call, probe_units=solver != "chen")
     captured = cg.graph["captured"]
     ops = node_ops(model, captured, call)
@@ -194,6 +215,8 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             graph_plan, ops, captured.gm, tree, regionable, mapping=mapping, blocks=blocks), vanilla, budget,
             loss_fn) for mapping in MAPPINGS]
         made = [a for a in made if a is not None]
+        if compile_backend is not None:
+            made = _measured_compiled(model, call, made, loss_fn, compile_backend)
         if not made:  # no mapping trains: try the smallest plan, which maps otherwise
             if target is None:
                 break
@@ -213,7 +236,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
         logger.info("fxplan: no plan applied to %s's modules %s; the model is left as it is (fxplan.rewrite "
                     "plans it without the modules' boundaries)", type(model).__name__,
                     "trains" if best is None else "peaks below its unplanned step")
-        best = AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget)
+        best = unplanned
     if budget is not None and best.measured_peak_bytes > budget:
         smallest = best.measured_peak_bytes
         raise BudgetError(
@@ -241,6 +264,34 @@ def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, grap
         return None
     return AppliedPlan(type(model).__qualname__, _shapes(call), regions, peak, vanilla, budget, graph_plan,
                        _recompute_fraction(cg, ops, regions))
+
+
+def _measured_compiled(model: torch.nn.Module, call: ExampleCall, made: list[AppliedPlan],
+                       loss_fn: Callable[[Any], torch.Tensor] | None, backend: str) -> list[AppliedPlan]:
+    """``made`` with each plan's peak that of its compiled step; mappings with the same regions are compiled once."""
+    peaks: dict[str, int] = {}
+    out = []
+    for applied in made:
+        key = json.dumps([r.to_dict() for r in applied.regions])
+        if key not in peaks:
+            peaks[key] = _compiled_peak(model, call, applied.regions, loss_fn, backend)
+        out.append(replace(applied, measured_peak_bytes=peaks[key], compile_backend=backend))
+    return out
+
+
+def _compiled_peak(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
+                   loss_fn: Callable[[Any], torch.Tensor] | None, backend: str) -> int:
+    """The peak of a real step of ``model`` with ``regions`` on, compiled with ``backend`` (compiled afresh)."""
+    runtime.install(model, regions)
+    try:
+        torch._dynamo.reset()  # a cached graph of another plan of this model would be run, or recompiles exhausted
+        peak = measure_step(torch.compile(model, backend=backend), call, loss_fn=loss_fn).peak_bytes
+    finally:
+        runtime.uninstall(model)
+        torch._dynamo.reset()
+    logger.info("fxplan: %s compiled with %s: measured peak %s", format_count(len(regions), "checkpointed module"),
+                backend, format_bytes(peak))
+    return peak
 
 
 def _better(a: AppliedPlan, b: AppliedPlan, budget: int | None) -> bool:
