@@ -1,7 +1,16 @@
 """Shared test fixtures."""
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, the cores shared among the workers: torch's thread pools would contend otherwise."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ the original: the user's model is not changed by planning; ``state_dict`` keys (
 buffers) are the original's; in train mode (same seed) the output, every parameter gradient and every
 buffer are bitwise equal after a step, and in eval mode the output too; the output has the original's
 type (Hugging Face ``ModelOutput`` included); the measured peak of the plan is within the budget.
+:func:`hf_model` builds the tiny Hugging Face models these checks run on.
 """
 
 from __future__ import annotations
@@ -97,3 +98,40 @@ def middle_budget_gb(model: torch.nn.Module, inputs: Any) -> tuple[float, float]
     smallest = fxplan.rewrite(model, None, example_inputs=inputs, loss_fn=loss_of).fxplan_measured_peak_bytes
     vanilla = fxplan.measure_step(model, inputs, fake=True, loss_fn=loss_of).peak_bytes
     return smallest / 2**30, (smallest + vanilla) / 2 / 2**30
+
+
+VOCAB = 96
+
+
+def tokens(*shape: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
+def hf_model(family: str, attn: str) -> tuple[torch.nn.Module, dict]:
+    """A tiny random-init model of ``family`` and keyword inputs with labels (so it returns a loss)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    if family == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+                                                 attn_implementation=attn))
+        return model, {"input_ids": tokens(2, 12), "labels": tokens(2, 12)}
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**small, num_key_value_heads=2, vocab_size=VOCAB,
+                                                   attn_implementation=attn))
+        return model, {"input_ids": tokens(2, 12), "labels": tokens(2, 12)}
+    if family == "bert":
+        model = tf.BertForMaskedLM(tf.BertConfig(**small, vocab_size=VOCAB, attn_implementation=attn))
+        # long enough that activations, not the embedding's gradient, set the peak
+        return model, {"input_ids": tokens(4, 32), "attention_mask": torch.ones(4, 32, dtype=torch.long),
+                       "labels": tokens(4, 32)}
+    if family == "t5":
+        model = tf.T5ForConditionalGeneration(tf.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=4, d_kv=8,
+                                                          vocab_size=VOCAB, attn_implementation=attn))
+        return model, {"input_ids": tokens(2, 10), "decoder_input_ids": tokens(2, 6), "labels": tokens(2, 6)}
+    if family == "vit":
+        model = tf.ViTForImageClassification(tf.ViTConfig(**small, image_size=32, patch_size=4, num_labels=5,
+                                                          attn_implementation=attn))
+        return model, {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.tensor([1, 3, 0, 4])}
+    raise ValueError(family)

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 
 def _check(rank: int) -> list[str]:
-    from test_reach import hf_model
+    from reach_checks import hf_model
     from torch.distributed.fsdp import fully_shard
 
     import fxplan
