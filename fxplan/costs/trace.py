@@ -53,7 +53,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fxplan.capture.capturers import Captured, ExampleCall, as_call, capture, export_after, resolve_attr
+from fxplan.capture.capturers import Captured, ExampleCall, as_call, capture, export_after
 from fxplan.capture.effects import mutated_position, ordering_edges
 from fxplan.capture.fakes import (
     DATA_DEPENDENT,
@@ -63,6 +63,7 @@ from fxplan.capture.fakes import (
     fake_mode_of,
     to_fake,
 )
+from fxplan.capture.graph_module import resolve_attr
 from fxplan.capture.recomputed_inputs import Recipe, call_recomputing
 from fxplan.capture.regions import regions_of, with_regions
 from fxplan.costs.op_census import NewStorages, NodeCensus, buffer_names, tensors

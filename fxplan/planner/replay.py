@@ -56,8 +56,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fxplan.capture import effects
-from fxplan.capture.capturers import as_call, resolve_attr
+from fxplan.capture.capturers import as_call
 from fxplan.capture.fakes import FakeMode
+from fxplan.capture.graph_module import resolve_attr
 from fxplan.capture.recomputed_inputs import call_recomputing, saver_operands
 from fxplan.measure import scratch
 from fxplan.measure.meter import default_loss, device_of, resident_bytes, track_memory

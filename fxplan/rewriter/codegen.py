@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from fxplan.capture import effects
-from fxplan.capture.capturers import owning_graph_module, resolve_attr
+from fxplan.capture.graph_module import owning_graph_module, resolve_attr
 from fxplan.capture.portable import portable_target, restored
 from fxplan.common.console import format_count
 from fxplan.errors import FxplanError

@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from fxplan.capture import effects
-from fxplan.capture.capturers import resolve_attr
+from fxplan.capture.graph_module import resolve_attr
 from fxplan.measure import scratch
 
 #: Modules whose training-mode forward is known to update their own buffers.
