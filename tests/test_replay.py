@@ -198,7 +198,8 @@ def _cuts(names: list[str], k: int, stride: int = 1) -> list[list[list[str]]]:
 
 def test_replay_copies_exactly_the_in_place_operands_the_rewriter_copies():
     """The replay's in-place rule (which ops get a private copy of their operand, and which ones the rewriter
-    runs between segments instead, :meth:`fxplan.rewriter.codegen._Rewrite.inplace_openers`) is the rewriter's."""
+    runs between segments instead, :meth:`fxplan.rewriter.planned_graph.Rewrite.inplace_openers`) is the
+    rewriter's."""
     torch.manual_seed(0)
     with FakeTensorMode():
         small, images = (torch.randn(2, 4, 8, 8),), (torch.randn(2, 3, 32, 32),)

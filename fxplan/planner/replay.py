@@ -811,7 +811,7 @@ PASS_THROUGH = {"add": "same", "add_": "same", "iadd": "same", "cat": "slice", "
 
 
 def _inplace_copies(sm: StepModel, seg: dict[str, int], succs, k: int) -> set[str]:
-    """In-place nodes whose operand needs a private copy by :mod:`fxplan.rewriter.codegen`'s rule (a value sharing
+    """In-place nodes whose operand needs a private copy by :mod:`fxplan.rewriter.planned_graph`'s rule (a value sharing
     the overwritten storage is read, as a segment input, by a recomputed segment that runs no later than
     the op), before :func:`_inplace_openers` takes out those the rewriter runs between segments instead."""
     copies = set()
@@ -829,8 +829,8 @@ def _inplace_copies(sm: StepModel, seg: dict[str, int], succs, k: int) -> set[st
 def _inplace_openers(sm: StepModel, segments: Sequence[Sequence[str]], seg: dict[str, int], preds, succs,
                      facts: GraphFacts) -> set[str]:
     """In-place nodes the rewriter runs by themselves between two segments, on no copy: the conditions of
-    :meth:`fxplan.rewriter.codegen._Rewrite.inplace_openers`, read off the step model. tests/test_replay.py checks that
-    the two agree on the cuts of a ResNet and of a model with a read before an in-place op."""
+    :meth:`fxplan.rewriter.planned_graph.Rewrite.inplace_openers`, read off the step model. tests/test_replay.py
+    checks that the two agree on the cuts of a ResNet and of a model with a read before an in-place op."""
     if not sm.inplace:
         return set()
     k = len(segments)
