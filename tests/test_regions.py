@@ -21,7 +21,8 @@ from fxplan.costs import timecost
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import measure_step
-from fxplan.planner.replay import replay, step_model
+from fxplan.planner.replay import replay
+from fxplan.planner.step_model import step_model
 from fxplan.planner.variants import Searches
 from fxplan.rewriter.codegen import segment_module
 from fxplan.solvers.plans import Plan

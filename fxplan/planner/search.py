@@ -72,10 +72,12 @@ import torch
 from fxplan.common.console import format_bytes, format_count
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.planner.frontier import SWEEP, Frontier, chen_plans, exact_family_size
+from fxplan.planner.near_replay import NearReplays
 from fxplan.planner.nested import NestedResult, NestedSearch
 from fxplan.planner.plan_meter import PlanMeter
 from fxplan.planner.planning import check_choices, min_budget_bytes_graph, plan_graph, resident_bytes
-from fxplan.planner.replay import AboveCap, NearReplays, Replay, StepModel, replay, step_model
+from fxplan.planner.replay import AboveCap, Replay, replay
+from fxplan.planner.step_model import StepModel, step_model
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers import dp, subplans
 from fxplan.solvers.costgraph import CostGraph
