@@ -30,6 +30,7 @@ from fxplan.capture.recomputed_inputs import call_recomputing, saver_operands
 from fxplan.measure import scratch
 from fxplan.measure.meter import default_loss, device_of, resident_bytes, track_memory
 from fxplan.measure.scratch import charged_bytes, storage_bytes
+from fxplan.rewriter import inplace_rule
 from fxplan.rewriter.recompute import STATEFUL_NORMS, host_rng_state_bytes
 from fxplan.solvers import subplans
 from fxplan.solvers.costgraph import CostGraph
@@ -244,45 +245,24 @@ def _is_float(t: object) -> bool:
 
 
 def inplace_copies(sm: StepModel, seg: dict[str, int], succs, k: int) -> set[str]:
-    """In-place nodes whose operand needs a private copy by :mod:`fxplan.rewriter.planned_graph`'s rule (a value sharing
-    the overwritten storage is read, as a segment input, by a recomputed segment that runs no later than
-    the op), before :func:`inplace_openers` takes out those the rewriter runs between segments instead."""
-    copies = set()
-    for v, operand in sm.inplace.items():
-        if v not in seg or operand not in seg:
-            continue
-        s = seg[v]
-        for m in sm.sharing[operand]:
-            if any(seg[r] <= s and seg[r] < k - 1 and seg[r] != seg[m] for r in succs[m]):
-                copies.add(v)
-                break
-    return copies
+    """In-place nodes whose operand needs a private copy by the rewriter's rule
+    (:func:`fxplan.rewriter.inplace_rule.read_by_recompute`: a value sharing the overwritten storage is read, as a
+    segment input, by a recomputed segment that runs no later than the op), before :func:`inplace_openers` takes out
+    those the rewriter runs between segments instead."""
+    return {v for v, operand in sm.inplace.items() if v in seg and operand in seg
+            and inplace_rule.read_by_recompute(sm.sharing[operand], seg[v], seg.__getitem__, succs.__getitem__, k)}
 
 
 def inplace_openers(sm: StepModel, segments: Sequence[Sequence[str]], seg: dict[str, int], preds, succs,
-                     facts: GraphFacts) -> set[str]:
-    """In-place nodes the rewriter runs by themselves between two segments, on no copy: the conditions of
-    :meth:`fxplan.rewriter.planned_graph.Rewrite.inplace_openers`, read off the step model. tests/test_replay.py
-    checks that the two agree on the cuts of a ResNet and of a model with a read before an in-place op."""
+                    facts: GraphFacts) -> set[str]:
+    """In-place nodes the rewriter runs by themselves between two segments, on no copy
+    (:func:`fxplan.rewriter.inplace_rule.inplace_openers`, read off the step model). tests/test_replay.py checks that
+    the replay's copies are the rewriter's on the cuts of a ResNet and of a model with a read before an in-place op."""
     if not sm.inplace:
         return set()
-    k = len(segments)
     position = facts.position
-    aliased: dict[str, int] = {}
-    for a in [*sm.inplace.values(), *sm.views.values()]:
-        aliased[a] = aliased.get(a, 0) + 1
-    found = set()
-    for v, a in sm.inplace.items():
-        if v not in seg or a not in seg or v in sm.random_inplace:
-            continue
-        j, s = seg[a], seg[v]
-        if not (j < s < k - 1 and min(segments[s], key=position.__getitem__) == v):
-            continue
-        if aliased[a] > 1 or a in sm.inplace or a in sm.views:
-            continue  # a is an alias, or has a view or another in-place op: it gets the copy
-        if any(seg[u] > j for u in preds[v] if u != a):
-            continue
-        if any(seg[r] > j for r in succs[a] if r != v and position[r] < position[v]):
-            continue
-        found.add(v)
-    return found
+    overwrites = [(v, a) for v, a in sm.inplace.items() if v in seg and a in seg and v not in sm.random_inplace]
+    found = inplace_rule.inplace_openers(overwrites, {**sm.views, **sm.inplace}, seg.__getitem__, len(segments),
+                                         lambda s: min(segments[s], key=position.__getitem__), position,
+                                         preds.__getitem__, succs.__getitem__)
+    return {v for v, _, _ in found}

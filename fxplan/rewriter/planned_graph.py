@@ -7,7 +7,8 @@ earlier one, and can run alone, runs between the segments (:meth:`Rewrite.inplac
 a block of its own); any other in-place op whose overwritten value a recomputation reads, or that the plan moves
 across a reader of the old value, runs on a private copy of its operand (:meth:`Rewrite.fix_inplace`); a plan that
 reorders random ops is refused (:meth:`Rewrite.check_random_order`). :func:`fxplan.rewriter.codegen.segment_module`
-generates the module from the graph so rewritten.
+generates the module from the graph so rewritten. The in-place rule itself is :mod:`fxplan.rewriter.inplace_rule`'s,
+which the replay of a plan's step follows too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.fx as fx
 from fxplan.capture import effects
 from fxplan.common.console import format_count
 from fxplan.errors import FxplanError
+from fxplan.rewriter.inplace_rule import inplace_openers, read_by_recompute
 from fxplan.solvers import subplans
 
 logger = logging.getLogger("fxplan")
@@ -125,38 +127,22 @@ class Rewrite:
         return self.seg.get(node, -1)  # placeholders and attributes: available everywhere
 
     def inplace_openers(self) -> list[tuple[str, int, int]]:
-        """In-place ops that would open a recomputed leaf on a value from an earlier leaf, and can run alone.
-
-        A ``relu_(a)`` that is the first node of leaf ``s`` while ``a`` comes from leaf ``j < s`` would
-        need a private copy of ``a`` (:meth:`fix_inplace`): the recomputed leaf keeps ``a`` as its input
-        and must not overwrite it. When nothing but the op reads ``a`` outside leaf ``j`` and the op's
-        other inputs come from leaves ``<= j`` (ResNet's ``out += identity; out = relu(out)`` at a block
-        boundary), :func:`fxplan.rewriter.codegen.segment_module` runs the op by itself, not recomputed, between
-        the two: the same program, the op overwrites ``a`` as the model does, its autograd node saves what it
-        saves in the model (for ReLU: its result, the very tensor leaf ``s`` keeps as input), and nothing is
-        copied. Returns ``(op name, j, s)``; random ops are never split off (their order is fixed).
-        """
-        out = []
+        """In-place ops that would open a recomputed leaf on a value from an earlier leaf, and can run alone, as
+        ``(op name, j, s)`` (:func:`fxplan.rewriter.inplace_rule.inplace_openers` on this graph's leaves):
+        :func:`fxplan.rewriter.codegen.segment_module` runs each by itself, not recomputed, between leaves ``j`` and
+        ``s``, where :meth:`fix_inplace` would copy its operand. Random ops are never split off (their order is
+        fixed)."""
         pos = {v: i for i, v in enumerate(self.graph.nodes)}
         first: dict[int, fx.Node] = {}
         for v in self.graph.nodes:
             if v in self.seg:
                 first.setdefault(self.seg[v], v)
-        for n in self.graph.nodes:
-            a = self._source(n) if effects.is_compute(n) and self.mpos.get(n) is not None else None
-            if a is None or a not in self.seg or effects.is_random(n, self.gm):
-                continue
-            j, s = self.seg[a], self.seg_of(n)
-            if not (j < s < self.k - 1 and first[s] is n):
-                continue
-            if any(m is not n and self._source(m) is a for m in self.graph.nodes) or self._source(a) is not None:
-                continue  # a is an alias, or has a view or another in-place op: leave it to fix_inplace
-            if any(self.seg_of(u) > j for u in n.all_input_nodes if u is not a):
-                continue
-            if any(self.seg_of(r) > j for r in a.users if r is not n and pos[r] < pos[n]):
-                continue  # a reader of the old value would run after the op
-            out.append((n.name, j, s))
-        return out
+        sources = {n: a for n in self.graph.nodes if (a := self._source(n)) is not None}
+        overwrites = [(n, a) for n, a in sources.items()
+                      if self.mpos.get(n) is not None and a in self.seg and not effects.is_random(n, self.gm)]
+        found = inplace_openers(overwrites, sources, self.seg_of, self.k, first.__getitem__, pos,
+                                lambda n: n.all_input_nodes, lambda a: a.users)
+        return [(n.name, j, s) for n, j, s in found]
 
     def fix_inplace(self, copy_function: Callable[[Any], Any]) -> None:
         """Copy the operand of each in-place op that recomputation or the plan's order would break; ``copy_function``
@@ -196,12 +182,8 @@ class Rewrite:
             self._copy_operand(n, a, where, members, pos, copy_function)
 
     def _read_by_recompute(self, members: list[fx.Node], s: int) -> bool:
-        for m in members:
-            for r in m.users:
-                k = self.seg_of(r)
-                if k <= s and k < self.k - 1 and k not in self.plain and k != self.seg_of(m):
-                    return True
-        return False
+        """:func:`fxplan.rewriter.inplace_rule.read_by_recompute` on this graph's leaves."""
+        return read_by_recompute(members, s, self.seg_of, lambda m: m.users, self.k, self.plain)
 
     def _reordered(self, members: list[fx.Node], n: fx.Node, pos: dict[fx.Node, int]) -> bool:
         s = self.seg_of(n)
