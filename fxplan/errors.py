@@ -58,6 +58,12 @@ def user_frame(exc: BaseException, model: Any = None) -> str:
     return f" (at {f.filename}:{f.lineno}: {f.line})"
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (300 characters at most), or its type's name if it has none."""
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
 def _source_file(cls: type) -> str | None:
     try:
         return inspect.getsourcefile(cls)

@@ -24,7 +24,8 @@ from fxplan.capture.regions import regions_of, with_regions  # noqa: E402
 from fxplan.costs.trace import trace  # noqa: E402
 from fxplan.planner import splice  # noqa: E402
 from fxplan.planner.plan_meter import PlanMeter  # noqa: E402
-from fxplan.planner.replay import replay, step_model  # noqa: E402
+from fxplan.planner.replay import replay  # noqa: E402
+from fxplan.planner.step_model import step_model  # noqa: E402
 from fxplan.solvers.units import Unit  # noqa: E402
 
 

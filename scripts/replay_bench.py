@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import fxplan
-from fxplan.planner import replay, search
+from fxplan.planner import near_replay, replay
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from reference_engine import module  # noqa: E402
@@ -36,14 +36,14 @@ def recorded_replays(name: str, budget: float | None) -> list[tuple]:
         return current(cg, sm, blocks, cap)
 
     model, inputs, loss = build(name, 8)
-    search.replay_blocks = replay.replay_blocks = recording  # the nested search's replays, and the candidates'
+    near_replay.replay_blocks = replay.replay_blocks = recording  # the nested search's replays, and the candidates'
     try:
         if budget is not None:
             peak = fxplan.measure_step(model, inputs, fake=True, loss_fn=loss).peak_bytes
             fxplan.rewrite(model, budget_bytes=int(budget * peak), example_inputs=inputs, loss_fn=loss)
         fxplan.rewrite(model, None, example_inputs=inputs, loss_fn=loss)
     finally:
-        search.replay_blocks = replay.replay_blocks = current
+        near_replay.replay_blocks = replay.replay_blocks = current
     return calls
 
 

@@ -68,6 +68,14 @@ try:  # the frontier's plans are solved in fxplan.planner.frontier (in fxplan.pl
     STAGES["min"].append((frontier, "min_budget_bytes_graph"))
 except ImportError:
     pass
+try:  # the candidates are made and replayed in fxplan.planner.candidates (in fxplan.planner.search at older commits)
+    from fxplan.planner import candidates
+
+    for stage, attr in (("probe", "step_model"), ("solve", "plan_graph"), ("min", "min_budget_bytes_graph"),
+                        ("replay", "replay")):
+        STAGES[stage].append((candidates, attr))
+except ImportError:
+    pass
 
 
 def build(name: str, batch: int):

@@ -1,5 +1,5 @@
 """The candidate plans of a graph from either end of the frontier (``fxplan.planner.frontier``), and the search for the
-smallest peak that looks at its bottom only (``fxplan.planner.search.Search._bottom``)."""
+smallest peak that looks at its bottom only (``fxplan.planner.candidates.Candidates.bottom``)."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def test_the_smallest_peak_from_the_frontiers_bottom_is_the_whole_frontiers(grap
     smallest = search.smallest()
     position = next(k for k, c in search._at.items() if c is smallest)
     assert search.frontier.grid_budget(position) is not None  # a plan of the grid, not the bottom's two
-    bottom = search._bottom()
-    whole = search._smallest_of([*search._walk(), *search.floor()])
+    bottom = search.bottom()
+    whole = search._smallest_of([*search.walk(), *search.floor()])
     assert whole is smallest
     near = [c for c in search.candidates if c.replayed <= smallest.replayed * 1.01]
     assert len(near) > 1 and all(c in bottom for c in near)

@@ -20,7 +20,7 @@ from fxplan.common.console import format_count
 from fxplan.compare.driver import Comparison, Row
 from fxplan.compare.report import detail_rows, summary_table, write_report
 from fxplan.costs.trace import trace
-from fxplan.planner import search
+from fxplan.planner import candidates
 from fxplan.planner.variants import Searches
 from fxplan.solvers.plans import regions_recomputed
 
@@ -76,10 +76,10 @@ def test_a_dp_that_cannot_add_its_smallest_plans_gives_no_advice_to_use_the_defa
         raise FxplanError("the DP would examine 9,000,000 moves between 300 lower sets, more than the 1,000 allowed "
                           "(memory); use the approximate DP (solver='approx', exact=False), or a smaller budget")
 
-    monkeypatch.setattr(search, "exact_family_size", lambda cg: 10**6)  # the families differ: the other DP is asked
-    monkeypatch.setattr(search, "min_budget_bytes_graph", refuses)
+    monkeypatch.setattr(candidates, "exact_family_size", lambda cg: 10**6)  # the families differ: the other DP is asked
+    monkeypatch.setattr(candidates, "min_budget_bytes_graph", refuses)
     with caplog.at_level(logging.DEBUG, logger="fxplan"):
-        plans = search._floor_plans(cg, model, solver)
+        plans = candidates._floor_plans(cg, model, solver)
     assert plans  # Chen's plans are still there
     said = [r for r in caplog.records if "smallest plans" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == level

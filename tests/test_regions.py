@@ -21,7 +21,8 @@ from fxplan.costs import timecost
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import measure_step
-from fxplan.planner.replay import replay, step_model
+from fxplan.planner.replay import replay
+from fxplan.planner.step_model import step_model
 from fxplan.planner.variants import Searches
 from fxplan.rewriter.codegen import segment_module
 from fxplan.solvers.plans import Plan
@@ -206,7 +207,7 @@ def test_rewrite_chooses_the_cheaper_graph_and_stays_exact(monkeypatch):
     lowest = searches.lowest()
     assert lowest == min(v.search.lowest().measured for v in searches.variants)
     assert fxplan.min_budget_bytes(model, (x,)) == lowest
-    only_regions = regions.search.measure(next(regions.search._walk()))  # every region, no segment
+    only_regions = regions.search.measure(next(regions.search.walk()))  # every region, no segment
     chose_regions = False
     for budget in (None, lowest, only_regions, (lowest + vanilla) // 2, vanilla):
         reference = copy.deepcopy(model)

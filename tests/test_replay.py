@@ -21,7 +21,8 @@ from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
 from fxplan.measure import scratch
 from fxplan.measure.meter import measure_step
-from fxplan.planner.replay import replay, step_model
+from fxplan.planner.replay import replay
+from fxplan.planner.step_model import step_model
 from fxplan.planner.variants import Searches
 from fxplan.rewriter.codegen import segment_module
 from fxplan.solvers.costgraph import CostGraph
@@ -165,7 +166,7 @@ class _ReadBeforeInPlace(torch.nn.Module):
 def _copies_compared(model, inputs, plans) -> tuple[int, int]:
     """Check the replay's in-place copies against the rewriter's on ``plans``; (plans with a copy, plans with an
     in-place op run between segments)."""
-    from fxplan.planner.replay import _Replayer
+    from fxplan.planner.replay import Replayer
     from fxplan.rewriter.codegen import copy_for_inplace
     from fxplan.solvers.subplans import tree
 
@@ -180,7 +181,7 @@ def _copies_compared(model, inputs, plans) -> tuple[int, int]:
         graphs = [module.graph] + [seg.graph for seg in module.segment_modules()]
         copied = {u.name for g in graphs for c in g.nodes
                   if c.target is copy_for_inplace or (c.op == "call_method" and c.target == "clone") for u in c.users}
-        assert _Replayer(cg, sm, tree(segments, None)).copies == copied, segments
+        assert Replayer(cg, sm, tree(segments, None)).copies == copied, segments
         with_copy += bool(copied)
         with_inline += any(seg[0] in sm.inplace and seg[0] not in copied for seg in segments[1:-1])
     return with_copy, with_inline
@@ -198,7 +199,8 @@ def _cuts(names: list[str], k: int, stride: int = 1) -> list[list[list[str]]]:
 
 def test_replay_copies_exactly_the_in_place_operands_the_rewriter_copies():
     """The replay's in-place rule (which ops get a private copy of their operand, and which ones the rewriter
-    runs between segments instead, :meth:`fxplan.rewriter.codegen._Rewrite.inplace_openers`) is the rewriter's."""
+    runs between segments instead, :meth:`fxplan.rewriter.planned_graph.Rewrite.inplace_openers`) is the
+    rewriter's."""
     torch.manual_seed(0)
     with FakeTensorMode():
         small, images = (torch.randn(2, 4, 8, 8),), (torch.randn(2, 3, 32, 32),)
@@ -474,11 +476,12 @@ def test_trees_one_move_from_a_base_replay_as_a_whole_replay_does(name, monkeypa
     the peaks (whole step, per segment, forward) that replay_blocks gives, also where a cap stops both. Moves in
     the last block, and every tree of a model whose buffers the guard copies (the DenseNet block's BatchNorm),
     are replayed whole."""
-    from fxplan.planner import replay as replay_module
-    from fxplan.planner.replay import AboveCap, NearReplays, replay_blocks
+    from fxplan.planner import near_replay
+    from fxplan.planner.near_replay import NearReplays
+    from fxplan.planner.replay import AboveCap, replay_blocks
     from fxplan.solvers.subplans import Block
 
-    monkeypatch.setattr(replay_module, "NEAR_MIN_BLOCKS", 4)  # these bases have four blocks
+    monkeypatch.setattr(near_replay, "NEAR_MIN_BLOCKS", 4)  # these bases have four blocks
     if name == "mlp":
         model, inputs = _ResidualMLP(), (torch.randn(4, 8, 16),)
     else:

@@ -257,7 +257,7 @@ def test_calls_alike_are_counted_once_with_the_figures_of_counting_each(monkeypa
     call (op or module, argument shapes) and gives the others the same figures; a node that writes buffers is
     counted on its own, so each BatchNorm names its own statistics."""
     import fxplan.costs.op_census as census_module
-    import fxplan.costs.trace as tracing
+    import fxplan.costs.propagation as propagation
 
     model, x = TwoAlike(), (torch.randn(2, 4, 8, 8),)
     counted = []
@@ -270,13 +270,13 @@ def test_calls_alike_are_counted_once_with_the_figures_of_counting_each(monkeypa
         def get(self, key, default=None):
             return default
 
-    real_init = tracing._CostPropagator.__init__
+    real_init = propagation.CostPropagator.__init__
 
     def forgetful_init(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         self.censuses = Forgetful()
 
-    monkeypatch.setattr(tracing._CostPropagator, "__init__", forgetful_init)
+    monkeypatch.setattr(propagation.CostPropagator, "__init__", forgetful_init)
     counted.clear()
     each = _node_figures(trace(model, x, cost_model="flops"))
     assert once == each

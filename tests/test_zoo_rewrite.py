@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 import fxplan
 import models_zoo
-from fxplan.costs.trace import COMPUTE_OPS
+from fxplan.capture.effects import COMPUTE_OPS
 from fxplan.measure.meter import GiB, measure_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

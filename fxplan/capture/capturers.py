@@ -20,15 +20,18 @@ A graph is a picture of one call in one mode. :class:`CallInterface` records tha
 flag of every module, the input structure and, for export, the shapes) so that the rewritten module can
 tell whether a later call is the one it was planned for; a call that is not (``eval()``, other input
 shapes, other keyword arguments) runs the original ``forward`` instead, which is exact by definition.
+
+The torch.export details are in :mod:`fxplan.capture.torch_export`, the output's container types in
+:mod:`fxplan.capture.output_types` and the GraphModule that owns the model's state in
+:mod:`fxplan.capture.graph_module`. :class:`CallInterface`, :func:`apply_function` and the tracer stay here: modules
+saved with ``torch.save`` name them by this module's path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,22 +42,21 @@ from torch.utils import _pytree as pytree
 
 from fxplan.capture import guards
 from fxplan.capture.fakes import caches_kept_real, fake_copy, fake_mode_of, to_fake
-from fxplan.capture.functions import ORIGINAL_APPLY, calls_of_functions, functions_as_ops
+from fxplan.capture.functions import ORIGINAL_APPLY, calls_of_functions
+from fxplan.capture.graph_module import owning_graph_module, resolve_attr
 from fxplan.capture.guards import (
     check_hooks,
     checked_for_host_draws,
     checked_for_python_state,
     own_checkpoints,
     refuse_torchscript,
-    replaced,
     tensor_hooks_refused,
 )
-from fxplan.errors import TraceError, user_frame
+from fxplan.capture.output_types import container_types, retyped
+from fxplan.capture.torch_export import UnsupportedOutput, drop_checks, export_program, without_objects
+from fxplan.errors import TraceError, first_line
 
 logger = logging.getLogger("fxplan")
-
-#: ATen ops that only check what export assumed; the rewritten module checks its inputs itself.
-_ASSERTIONS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
 
 
 @dataclass
@@ -288,7 +290,7 @@ def _trace_once(model: torch.nn.Module, leaves: set[str]) -> tuple[fx.Graph, dic
     except Exception as exc:  # torch.fx raises many types; all mean "not traceable"
         where = tracer.fxplan_path[-1] if tracer.fxplan_path else type(model).__name__
         raise TraceError(
-            f"stopped inside module '{where}' ({type(exc).__name__}: {_first_line(exc)}); typical causes are "
+            f"stopped inside module '{where}' ({type(exc).__name__}: {first_line(exc)}); typical causes are "
             "Python control flow on tensor values or shapes, or a forward(**kwargs) signature"
         ) from exc
     finally:
@@ -385,7 +387,7 @@ class _LocatingTracer(fx.Tracer):
             raise RuntimeError("a grad-mode or autocast region inside forward (torch.no_grad, torch.autocast), "
                                "which symbolic_trace does not record")
         if kind == "output":
-            self.fxplan_output_types = _container_types(args[0], self.fxplan_dicts)
+            self.fxplan_output_types = container_types(args[0], self.fxplan_dicts)
         return super().create_node(kind, target, args, kwargs, name, type_expr)
 
 
@@ -400,42 +402,6 @@ def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:
     """``function.apply(*args, **kwargs)``: a captured call of a ``torch.autograd.Function``, which runs its own
     backward."""
     return function.apply(*args, **kwargs)
-
-
-def _container_types(value: Any, dicts: dict[int, tuple[dict, type]]) -> Any:
-    """Where the traced output holds dicts of other types than ``dict`` (``OrderedDict``: torchvision's
-    segmentation models), a template :func:`retyped` rebuilds them from; None where it holds none."""
-    if isinstance(value, dict):
-        inner = {k: _container_types(v, dicts) for k, v in value.items()}
-        made, kind = dicts.get(id(value), (None, None))
-        kind = kind if made is value else None
-        if kind is None and all(v is None for v in inner.values()):
-            return None
-        return ("dict", kind, inner)
-    if isinstance(value, (list, tuple)):
-        items = [_container_types(v, dicts) for v in value]
-        return None if all(v is None for v in items) else ("sequence", None, items)
-    return None
-
-
-def retyped(value: Any, template: Any) -> Any:
-    """``value`` (what a graph returned) with its dicts rebuilt as the types ``template`` (of
-    :func:`_container_types`) names; a type that cannot be built from a dict of the items stays a dict."""
-    if template is None:
-        return value
-    _, kind, inner = template
-    if isinstance(value, dict) and isinstance(inner, dict):
-        items = {k: retyped(v, inner.get(k)) for k, v in value.items()}
-        if kind is None:
-            return items
-        try:
-            return kind(items)
-        except Exception:  # a dict subclass whose constructor takes something else
-            return items
-    if isinstance(value, (list, tuple)) and isinstance(inner, list) and len(inner) == len(value):
-        items = [retyped(v, t) for v, t in zip(value, inner)]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
 
 
 def _grad_and_autocast_modes() -> tuple:
@@ -491,21 +457,22 @@ def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
     fake_args, fake_kwargs = to_fake((args, kwargs), fake_mode)
     try:
         ep = checked_for_python_state(fake_model, type(model).__name__,
-                                      lambda: _export(fake_model, fake_args, fake_kwargs), lambda ep: ep.module())
-    except _UnsupportedOutput as exc:
+                                      lambda: export_program(fake_model, fake_args, fake_kwargs),
+                                      lambda ep: ep.module())
+    except UnsupportedOutput as exc:
         # A key/value cache is an inference object a graph cannot return; Hugging Face's own gradient
         # checkpointing turns it off in training. The graph computes exactly what the call computes
         # (the cache is filled and dropped), and its output leaves the object out.
         logger.warning("fxplan: the output of %s holds a %s, which a graph cannot return; planned training "
                        "calls return the output without it", type(model).__name__, exc.type_name)
         original_forward = fake_model.forward
-        fake_model.forward = lambda *a, **k: _without_objects(original_forward(*a, **k))
-        ep = _export(fake_model, fake_args, fake_kwargs)
+        fake_model.forward = lambda *a, **k: without_objects(original_forward(*a, **k))
+        ep = export_program(fake_model, fake_args, fake_kwargs)
     exported = ep.module()
     graph = exported.graph
     interface.out_spec = graph._codegen.pytree_info.out_spec
     graph._codegen = fx.graph.CodeGen()
-    _drop_checks(graph)
+    drop_checks(graph)
     graph.eliminate_dead_code()
     state = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     state |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
@@ -521,158 +488,3 @@ def export_module(model: torch.nn.Module, call: ExampleCall) -> Captured:
     gm = owning_graph_module(model, graph, constants)
     gm.graph.lint()
     return _captured(model, gm, "torch.export", interface)
-
-
-def _without_objects(value: Any) -> Any:
-    """``value`` with every leaf that is neither a tensor nor a plain constant left out (mappings such as
-    Hugging Face's ModelOutput drop the key; sequences hold None in its place)."""
-    if isinstance(value, torch.Tensor) or isinstance(value, (int, float, bool, str, type(None))):
-        return value
-    if type(value) not in pytree.SUPPORTED_NODES:
-        return None
-    if isinstance(value, dict):
-        kept = {k: _without_objects(v) for k, v in value.items()}
-        return type(value)(**{k: v for k, v in kept.items() if v is not None or value[k] is None})
-    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(_without_objects(v) for v in value)
-    return value
-
-
-def resolve_attr(root: torch.nn.Module, target: str) -> Any:
-    """The attribute a dotted get_attr/call_module target names, looked up from ``root``."""
-    value: Any = root
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
-
-
-class _UnsupportedOutput(Exception):
-    def __init__(self, type_name: str):
-        super().__init__(type_name)
-        self.type_name = type_name
-
-
-@contextlib.contextmanager
-def _masks_as_in_eager(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> Iterator[None]:
-    """Hugging Face's attention-mask helpers as they run in eager mode, while exporting.
-
-    Eager, ``transformers.masking_utils`` skips a causal mask that its shapes alone make redundant, and the
-    attention then calls ``scaled_dot_product_attention`` with ``is_causal=True`` and, for grouped-query
-    attention, ``enable_gqa=True``; under ``torch.export`` it never skips, and the graph holds an explicit mask
-    and key/value heads repeated before the call: the same values forward, but gradients summed in another
-    order, which differ in the last bits on some CPUs (an AMD EPYC here; not on the Intel Xeon of earlier
-    runs). The skip stays off wherever a padding mask is given (its values are not known while tracing:
-    ``is_tracing(mask)`` sees to that), so the decision depends only on shapes, on which the graph specialises
-    anyway. Older transformers (5.17) ask ``is_tracing(padding_mask)`` alone, True for a missing mask too while
-    exporting: there it answers for the mask given, and False for none. On CUDA the explicit mask also costs
-    time: GPT-2 small's efficient-attention kernels took 1.8x as long with it (H100).
-
-    The same holds for the search for packed sequences (several sequences in one row, told apart by
-    ``position_ids`` that restart): eager, it finds none when the positions run on, and skips the mask; under
-    export it cannot look at the values and always builds the mask. Where the caller gives no
-    ``position_ids``, the model makes them itself as a running count (so it does, for instance, with gradient
-    checkpointing on, which turns its cache off), so the search is skipped as eager skips it; positions the
-    caller gives keep the search and its mask, right for any values. Nothing changes if transformers is not
-    loaded.
-    """
-    masking = sys.modules.get("transformers.masking_utils")
-    if masking is None:
-        yield
-        return
-    held = {name: getattr(masking, name) for name in ("is_torchdynamo_exporting", "is_tracing",
-                                                      "find_packed_sequence_indices") if hasattr(masking, name)}
-    eager: dict[str, Callable] = {}
-    if "is_torchdynamo_exporting" in held:  # newer transformers: exporting vetoes the skip
-        eager["is_torchdynamo_exporting"] = lambda: False
-    if "is_tracing" in held:  # older ones (5.17): is_tracing(mask) is True while exporting, whatever the mask
-        traced = held["is_tracing"]
-        eager["is_tracing"] = lambda tensor=None: tensor is not None and traced(tensor)
-    if "find_packed_sequence_indices" in held and not _gives_position_ids(model, args, kwargs):
-        eager["find_packed_sequence_indices"] = lambda position_ids: None
-    for name, value in eager.items():
-        setattr(masking, name, value)
-    try:
-        yield
-    finally:
-        for name, value in held.items():
-            setattr(masking, name, value)
-
-
-def _gives_position_ids(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether the call hands the model ``position_ids`` (by name, or in that parameter's place)."""
-    try:
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
-    except TypeError:
-        return True  # a call its signature does not describe: assume it may
-    return bound.get("position_ids") is not None
-
-
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> torch.export.ExportedProgram:
-    try:
-        # no node's stack trace (fxplan reads none; recording them is about a sixth of the capture)
-        with _masks_as_in_eager(model, args, kwargs), replaced(fx.config, "do_not_emit_stack_traces", True), \
-                functions_as_ops():
-            return torch.export.export(model, args, kwargs, strict=False)
-    except Exception as exc:  # export raises many types; all mean "not capturable"
-        message = str(exc)
-        if "in output, which is not a known type" in message:
-            type_name = message.split("<class '")[1].split("'>")[0].rsplit(".", 1)[-1] if "<class '" in message \
-                else "object"
-            raise _UnsupportedOutput(type_name) from exc
-        raise TraceError(
-            f"{type(exc).__name__}: {_first_line(exc)}{user_frame(exc, model)}. If this is data-dependent control "
-            "flow, write it with torch.cond or on values known before the call; if it is an op torch.export "
-            "does not know, wrap it as a custom op (torch.library.custom_op)"
-        ) from exc
-
-
-def _drop_checks(graph: fx.Graph) -> None:
-    """Remove export's guard module call and shape assertions: the interface checks calls itself."""
-    for node in list(graph.nodes):
-        name = getattr(node.target, "__name__", str(node.target))
-        is_guard = node.op == "call_module" and str(node.target) == "_guards_fn"
-        is_assert = node.op == "call_function" and name.split(".")[0] in _ASSERTIONS
-        if (is_guard or is_assert) and not node.users:
-            graph.erase_node(node)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
-# ----------------------------------------------------------------------------------------------
-# the owning GraphModule
-
-
-def owning_graph_module(model: torch.nn.Module, graph: fx.Graph, constants: dict[str, Any] | None = None,
-                        class_name: str | None = None) -> fx.GraphModule:
-    """A GraphModule running ``graph`` that owns all of ``model``'s state, the very same objects.
-
-    ``constants`` (tensors and submodules the capture made up) become non-persistent buffers and plain
-    attributes, so ``state_dict`` keys are exactly the model's. The buffers among them are named in
-    ``_fxplan_constants`` (those of ``model`` kept too): the rewritten module holds them as plain attributes
-    instead (:func:`fxplan.rewriter.codegen.segment_module`), so that its ``named_buffers()`` are the model's.
-    """
-    constants = dict(constants or {})
-    holder = torch.nn.Module()
-    holder.__dict__.update(constants)
-    holder.__dict__["_modules"] = model._modules
-    holder.__dict__["_parameters"] = model._parameters
-    holder.__dict__["_buffers"] = model._buffers
-    gm = fx.GraphModule(holder, graph, class_name or type(model).__name__)
-    gm.training = model.training
-    gm.__dict__["_modules"] = dict(model._modules)
-    gm.__dict__["_parameters"] = dict(model._parameters)
-    gm.__dict__["_buffers"] = dict(model._buffers)
-    gm.__dict__["_non_persistent_buffers_set"] = set(model._non_persistent_buffers_set)
-    made = {name for name in model.__dict__.get("_fxplan_constants", ()) if name in gm._buffers}
-    for name, value in constants.items():
-        gm.__dict__.pop(name, None)
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            gm.register_buffer(name, value, persistent=False)
-            made.add(name)
-        else:  # a plain attribute; a module here is a stateless graph body (a no_grad region), not a submodule
-            gm.__dict__[name] = value
-    gm.__dict__["_fxplan_constants"] = made
-    return gm

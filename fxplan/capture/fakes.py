@@ -1,6 +1,6 @@
 """Fake copies of models and inputs: measure, trace and capture a step without allocating anything.
 
-Shared by :mod:`fxplan.measure.meter`, :mod:`fxplan.costs.trace`, :mod:`fxplan.planner.replay` and
+Shared by :mod:`fxplan.measure.meter`, :mod:`fxplan.costs.trace`, :mod:`fxplan.planner.step_model` and
 :mod:`fxplan.capture.capturers` (``torch.export`` runs on a fake copy), so none of them needs another for this.
 """
 

@@ -34,8 +34,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxplan.capture.capturers import Captured, owning_graph_module
+from fxplan.capture.capturers import Captured
 from fxplan.capture.effects import alias_roots, mutated_arg
+from fxplan.capture.graph_module import owning_graph_module
 from fxplan.capture.recomputed_inputs import find_units, parse_checked, plain_ops_only, saver_node
 from fxplan.errors import FxplanError
 from fxplan.solvers.costgraph import CostGraph

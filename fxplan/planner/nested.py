@@ -29,8 +29,8 @@ batch 8, 224²: from Chen's √n plan, 413.9 MiB to 362.9, where a move had to g
 Moves are generated in order of the base plan's replayed per-segment peaks (segments whose backward is
 near the peak first), at most ``MOVES_PER_ROUND`` per round. Each is replayed (:func:`fxplan.planner.replay.replay`
 follows nested plans too; a move inside one checkpointed top-level block of a plan of many, from the recorded
-replay of the tree it moves: :class:`fxplan.planner.replay.NearReplays`) and they are measured lowest replayed peak
-first (equal peaks: least recomputation first), only while the replayed peak is within ``TOLERANCE`` of the
+replay of the tree it moves: :class:`fxplan.planner.near_replay.NearReplays`) and they are measured lowest replayed
+peak first (equal peaks: least recomputation first), only while the replayed peak is within ``TOLERANCE`` of the
 measured peak to beat and predicts a gain (``RELATIVE_TOLERANCE``), and until ``PATIENCE`` in a row have not
 lowered the round's best, at most ``MEASUREMENTS`` measurements per starting plan (fewer on large graphs), so
 planning time stays bounded on graphs with many segments.
@@ -395,7 +395,7 @@ class NestedSearch:
     def _replayed(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> int:
         """The replayed peak of ``blocks`` (0 without a replay); above ``cap``, a lower bound of it above ``cap``:
         a tree that cannot pass :meth:`_may_beat` need not be replayed to its end. ``base``: the tree ``blocks``
-        is one move from, whose replay the move's may start from (:class:`fxplan.planner.replay.NearReplays`)."""
+        is one move from, whose replay the move's may start from (:class:`fxplan.planner.near_replay.NearReplays`)."""
         return 0 if self.replayed is None else self.replayed(blocks, cap, base)
 
     def _may_beat(self, predicted: int, bar: float, replayed_bar: float, gain: bool = False) -> bool:

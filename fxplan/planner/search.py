@@ -10,11 +10,12 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    and the memory-centric plan, planned with the sweep memory model (:mod:`fxplan.solvers.sweep_model`), which ranks
    plans as measured far better than the autograd model (except the exact DP on lattices too large for its
    family engine). A budget search takes them from the top; the search for the smallest peak from the bottom,
-   as far as they may come near the smallest (:meth:`Search._bottom`, ``REACH``). For Chen's solver, the
+   as far as they may come near the smallest (:meth:`Search.bottom`, ``REACH``). For Chen's solver, the
    plans of Algorithm 3 over its grid of B (:func:`fxplan.solvers.chen.greedy_plans`) and the √n plan. A DP solver's
-   candidates also include the other planners' plans at their smallest peaks (:func:`_floor_plans`: Chen's
+   candidates also include the other planners' plans at their smallest peaks (``_floor_plans``: Chen's
    plans, the other DP's), so its smallest peak is at most any of theirs; ``solver="chen"`` is the paper's
-   baseline and keeps to Chen's plans.
+   baseline and keeps to Chen's plans. The candidates are :mod:`fxplan.planner.candidates`' (generated, replayed
+   and measured as they are asked for); this module chooses among them.
 2. **Prediction.** Each candidate's peak is predicted by replaying its step
    (:func:`fxplan.planner.replay.replay`, exact or nearly on the plans measured: docs/rewrite.md) and its
    recomputation is known exactly (``recompute_fraction``).
@@ -64,29 +65,24 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from fxplan.common.console import format_bytes, format_count
+from fxplan.common.console import format_bytes
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.planner.frontier import SWEEP, Frontier, chen_plans, exact_family_size
+from fxplan.planner.candidates import MARGIN, Candidate, Candidates, in_replay_order
+from fxplan.planner.near_replay import NearReplays
 from fxplan.planner.nested import NestedResult, NestedSearch
-from fxplan.planner.plan_meter import PlanMeter
-from fxplan.planner.planning import check_choices, min_budget_bytes_graph, plan_graph, resident_bytes
-from fxplan.planner.replay import AboveCap, NearReplays, Replay, StepModel, replay, step_model
+from fxplan.planner.planning import check_choices
 from fxplan.rewriter.codegen import SegmentedModule
-from fxplan.solvers import dp, subplans
+from fxplan.solvers import subplans
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.plans import Plan
 from fxplan.solvers.subplans import Block
 
 logger = logging.getLogger("fxplan")
-
-#: Assumed bound on how much the replay over-predicts one plan's measured peak beyond what it does on
-#: the plans measured so far (it over-predicted by at most 0.5% on the zoo: docs/rewrite.md).
-MARGIN = 0.01
 
 #: The nested search starts from at most this many plans per solver (:meth:`Search._seeds`), all of a solver's
 #: within ``fxplan.planner.nested.SEEDS_MEASUREMENTS`` times one search's measurements; a start that lowers nothing
@@ -102,14 +98,6 @@ NESTED_MISSES = 4
 
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
 NEGLIGIBLE = 0.001
-
-#: The search for the smallest peak looks at the frontier's plans from its bottom up to the first that predicts
-#: a peak above this many times the least replayed peak (:meth:`Search._bottom`; times the most the sweep model
-#: over-predicted one of them, where it did). The sweep model predicted the replayed peak of every candidate of
-#: ResNet-50, GPT-2, BERT, U-Net, a timm MobileNet and the synthetic 1,000-node network within 0.27x to 1.18x,
-#: and of a 7B Llama (hf:llama, meta device) within 1.285x. A no-budget rewrite of GPT-2 with 23 layers (956 nodes)
-#: solved 62 plans instead of 123 (docs/planner.md, "The smallest peak from the frontier's bottom").
-REACH = 1.5
 
 #: Once every candidate measured so far replayed within this fraction of its measured peak, the search
 #: ranks by replay instead of measuring (each measurement is a fake step of a rewritten module): the
@@ -127,213 +115,43 @@ TRUST = 0.001
 #: about 60 of 108 s) for a search that ended at the same plan. A replay off by more than this is not trusted.
 NESTED_SLACK = 0.02
 
-#: A replay for :meth:`Candidate.replayed_up_to` runs this far beyond its limit (its answers do not change): a search
-#: asks one plan for limits a few percent apart (:func:`in_replay_order`'s window, then :meth:`Search._may_fit`'s bar
-#: over the least measured / replayed ratio), and a replay stopped just above the first limit was made again for
-#: the next: 195 of the 566 replays of a no-budget rewrite of the synthetic 1,000-node network, 5 with this slack.
-CAP_SLACK = 0.10
 
-
-@dataclass
-class Candidate:
-    """One plan of the search: its replayed peaks (replayed when first asked for: most candidates of a
-    budget search are never compared by peak), and once measured its peak and generated module."""
-
-    plan: Plan
-    replay_step: Callable[[Plan], Replay] | None = field(default=None, repr=False)
-    measured: int | None = None
-    module: SegmentedModule | None = None
-    rejected: bool = False
-    peaks: tuple[int, list[int]] | None = None  # (whole step, per segment), from ``replay_step``
-    code: str | None = None  # the generated code measured (the module over the model must run it)
-    floor: int = 0  # a lower bound of the replayed peak, from a replay stopped at a cap (:meth:`replayed_up_to`)
-    solvers: set[str] = field(default_factory=set)  # the solvers with this plan among theirs (Search._seeds)
-
-    def _peaks(self) -> tuple[int, list[int]]:
-        if self.peaks is None:
-            r = self.replay_step(self.plan)
-            self.peaks = (r.peak_bytes, r.segment_peak_bytes)
-        return self.peaks
-
-    def replayed_up_to(self, limit: float) -> int:
-        """The replayed peak where it is at most ``limit``; else a lower bound of it, above ``limit`` by float
-        rounding at least, so that a test ``replayed <= f(limit)`` gives the same answer on either. A search
-        comparing a plan with a bar replays it only until its peak passes the bar
-        (:func:`fxplan.planner.replay.replay`'s ``cap``): most candidates of a search lose early."""
-        if limit == math.inf:
-            return self.replayed
-        cap = int(limit * (1 + 1e-9)) + 1
-        if self.peaks is None and self.floor <= cap:
-            r = self.replay_step(self.plan, int(cap * (1 + CAP_SLACK)))
-            if isinstance(r, AboveCap):
-                self.floor = r.peak_bytes
-            else:
-                self.peaks = (r.peak_bytes, r.segment_peak_bytes)
-        return self.peaks[0] if self.peaks is not None else self.floor
-
-    @property
-    def replayed(self) -> int:
-        return self._peaks()[0]
-
-    @property
-    def segment_replayed(self) -> list[int]:
-        return self._peaks()[1]
-
-    @property
-    def recompute(self) -> float:
-        return self.plan.recompute_fraction
-
-    @property
-    def peak(self) -> int:
-        """The measured peak; the replayed one until measured (a nested plan found by replay)."""
-        return self.replayed if self.measured is None else self.measured
-
-
-class Search:
-    """The candidates of one model, inputs and solver, measured on demand (module docstring)."""
+class Search(Candidates):
+    """The choice among the candidates of one model, inputs and solver, and the nested plans below them (module
+    docstring); the candidates themselves are :class:`fxplan.planner.candidates.Candidates`'."""
 
     def __init__(self, cg: CostGraph, model: torch.nn.Module, example_inputs: tuple[Any, ...], *, solver: str,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, trust_replay: bool = True):
-        check_choices("time", solver)
-        self.cg, self.inputs, self.loss_fn, self.solver = cg, example_inputs, loss_fn, solver
+        super().__init__(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
         self.trust_replay = trust_replay  # may the nested search rank by replay (TRUST)? False: it measures
-        self.step: StepModel = step_model(cg, model, example_inputs, loss_fn)
         self._near = NearReplays(cg, self.step)  # the nested search's moves, replayed from the tree they move
-        self.ratio = 1.0  # the least measured / replayed peak seen so far, at most 1
-        self.model = model
-        self.frontier = Frontier(cg, model, solver)
-        self._at: dict[int, Candidate | None] = {}  # the solver's own, by frontier position (None: no new plan)
-        self._bottom_candidates: list[Candidate] | None = None  # :meth:`_bottom`, once made
-        self._floor: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`floor`
         self._lowest: Candidate | None = None
-        self.meter = PlanMeter(cg, example_inputs, loss_fn)
         self._nested: NestedSearch | None = None  # the nested search of :meth:`lowest`, once run
         self._by_replay: tuple[Candidate, Candidate] | None = None  # (start, lowest found): :meth:`_replayed_lowest`
         self._nested_candidates: dict[tuple, Candidate] = {}  # by plan: :meth:`_nested_candidate`
         self._misses = 0  # nested plans chosen by replay that measured above what they had to fit: _confirmed
         self._vouching: list[Candidate] = []  # a nested plan measured in place of the canonical ones: _nested_first
 
-    def _candidate(self, p: Plan, walk: bool) -> Candidate | None:
-        """A new candidate for ``p`` (replayed when its peak is first asked for); None if a candidate has the same
-        plan. A plan of the frontier (``walk``) that one of :meth:`floor`'s has is the frontier's, whichever was
-        made first (the search for the smallest peak makes the floor first): the floor's candidate, with what it
-        replayed and measured, moves to the frontier with the frontier's plan."""
-        same = [c for c in self.candidates + (self._floor or [])
-                if c.plan.segments == p.segments and c.plan.children == p.children]
-        if not same:
-            return Candidate(p, self._replay, solvers={p.solver})
-        c = same[0]
-        c.solvers.add(p.solver)
-        if not walk or not any(f is c for f in self._floor or []):
-            return None
-        self._floor = [f for f in self._floor if f is not c]  # a new list: iterations of the old one go on
-        c.plan = p
-        return c
-
-    def _replay(self, p: Plan, cap: int | None = None) -> Replay | AboveCap:
-        return replay(self.cg, self.step, p.segments, cap=cap)
-
     def _replay_tree(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> int:
         return self._near.replay(blocks, cap, base).peak_bytes
-
-    @property
-    def candidates(self) -> list[Candidate]:
-        """The solver's own candidates made so far, in the frontier's order
-        (:class:`fxplan.planner.frontier.Frontier`)."""
-        return [c for _, c in sorted(self._at.items()) if c is not None]
-
-    def _candidate_at(self, k: int) -> Candidate | None:
-        """The candidate at the frontier's position ``k``, made once; None where it adds no plan."""
-        if k not in self._at:
-            p = self.frontier.at(k)
-            self._at[k] = None if p is None else self._candidate(p, walk=True)
-        return self._at[k]
-
-    def _walk(self) -> Iterator[Candidate]:
-        """Every candidate in the frontier's order (non-decreasing recomputation), generating plans as they are
-        asked for: the first before the frontier's size is known (which solves for the smallest budget)."""
-        k = 0
-        while k == 0 or k < self.frontier.size:
-            c = self._candidate_at(k)
-            if c is not None:
-                yield c
-            k += 1
-
-    def _bottom(self) -> list[Candidate]:
-        """The candidates that may have the smallest peak, in the frontier's order: generated from the frontier's
-        bottom up (the memory-centric plan, the plan at the smallest predicted peak, then the grid's) until a plan
-        predicts a peak above ``REACH`` times the least replayed peak of these and :meth:`floor`'s (``REACH``
-        times the most any of them replayed below its prediction, where more than 1): the plans above it predict
-        higher peaks still (the time-centric DP's plan for a larger budget recomputes less, and one that fitted
-        the smaller budget would have been chosen for it). Chen's plans: all (they are made together)."""
-        if self._bottom_candidates is None:
-            if self.solver == "chen":
-                self._bottom_candidates = list(self._walk())
-                return self._bottom_candidates
-            least, over, found = math.inf, 1.0, []
-            for c in self.floor():
-                least = min(least, c.replayed_up_to(least))
-            for k in reversed(range(self.frontier.size)):
-                c = self._candidate_at(k)
-                if c is None:
-                    continue
-                if self.frontier.grid_budget(k) is not None or k == 0:
-                    if c.plan.predicted_peak_bytes > REACH * over * least:
-                        break
-                found.append(c)
-                least = min(least, c.replayed_up_to(least))
-                if c.peaks is not None:
-                    over = max(over, c.plan.predicted_peak_bytes / c.replayed)
-            self._bottom_candidates = found[::-1]
-        return self._bottom_candidates
-
-    def floor(self) -> list[Candidate]:
-        """The other solvers' candidates at their smallest peaks (:func:`_floor_plans`), by recomputation."""
-        if self._floor is None:
-            self._floor = []
-            for p in _floor_plans(self.cg, self.model, self.solver):
-                c = self._candidate(p, walk=False)
-                if c is not None:
-                    self._floor.append(c)
-            self._floor.sort(key=lambda c: c.recompute)
-        return self._floor
-
-    # ------------------------------------------------------------------------------------ measuring
-    def measure(self, c: Candidate) -> int | None:
-        """The measured peak of ``c`` (measured once, :class:`fxplan.planner.plan_meter.PlanMeter`); None if the
-        rewriter rejects the plan. :meth:`result` generates the chosen plan's module over the model."""
-        if c.measured is None and not c.rejected:
-            got = self.meter.measure(c.plan.segments, c.plan.children)
-            if got is None:
-                c.rejected = True
-                return None
-            c.measured, c.code = got
-            logger.debug("candidate: %s, recompute %.3f, replayed %d, measured %d bytes",
-                         format_count(c.plan.num_segments, "segment"), c.recompute, c.replayed, c.measured)
-            self.ratio = min(self.ratio, c.measured / c.replayed)
-        return c.measured
-
-    def _may_fit(self, c: Candidate, budget: float) -> bool:
-        """False only if ``c`` cannot fit ``budget`` unless the replay errs by more than the margin."""
-        return c.replayed_up_to(budget / (self.ratio * (1 - MARGIN))) * self.ratio * (1 - MARGIN) <= budget
 
     # ------------------------------------------------------------------------------------ choosing
     def smallest(self) -> Candidate:
         """The candidate of least measured peak (ties: least recomputation)."""
-        best = self._smallest_of([*self._bottom(), *self.floor()])
+        best = self._smallest_of([*self.bottom(), *self.floor()])
         if best is None:
             raise FxplanError("the rewriter rejected every candidate plan; see the debug log of 'fxplan'")
         return best
 
     def _smallest_of(self, candidates: list[Candidate]) -> Candidate | None:
         """The least measured peak of ``candidates`` (ties: least recomputation), measuring those whose replay
-        may beat the best measured so far (the margin of :meth:`_may_fit`). Once the replay is trusted
+        may beat the best measured so far (the margin of :meth:`may_fit`). Once the replay is trusted
         (:meth:`_trusted`), the least replayed peak (ties: least recomputation), measured: another
         candidate could measure lower by at most twice ``TRUST``."""
         best: Candidate | None = None
 
         def done(c: Candidate) -> bool:
-            return best is not None and (self._trusted() or not self._may_fit(c, best.measured))
+            return best is not None and (self._trusted() or not self.may_fit(c, best.measured))
 
         for c in in_replay_order(candidates, done):
             m = self.measure(c)
@@ -379,7 +197,7 @@ class Search:
         less. Else None: :meth:`lowest` measures the canonical plans and judges this plan as before."""
         if not self.trust_replay or self.measured_candidates():
             return None
-        start = next(in_replay_order([*self._bottom(), *self.floor()], lambda c: False), None)
+        start = next(in_replay_order([*self.bottom(), *self.floor()], lambda c: False), None)
         found = self._replayed_lowest(start) if start is not None else None
         if found is None or found is start:
             return None
@@ -397,7 +215,7 @@ class Search:
         finds."""
         if self._lowest is not None:
             return self._lowest.measured <= bar
-        start = next(in_replay_order([*self._bottom(), *self.floor()], lambda c: False))
+        start = next(in_replay_order([*self.bottom(), *self.floor()], lambda c: False))
         return self._replayed_lowest(start).peak * (1 - TRUST) <= bar
 
     def _replayed_lowest(self, start: Candidate) -> Candidate:
@@ -436,7 +254,7 @@ class Search:
     def measured_candidates(self) -> list[Candidate]:
         """The candidates measured so far that the replay is judged by: the canonical ones, and a nested plan that
         vouched for the replay in their place (:meth:`_nested_first`)."""
-        return [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None] + self._vouching
+        return super().measured_candidates() + self._vouching
 
     def _distrust(self, why: str) -> None:
         """Forget the nested plans ranked by replay: from now on the nested search measures its moves."""
@@ -487,7 +305,7 @@ class Search:
         unit, 0.78 against 1.28) and so beat a canonical plan that recomputes less than they do."""
         if recompute <= 0:
             return None
-        reference = self.floor() or list(self._walk())
+        reference = self.floor() or list(self.walk())
         if not reference or recompute < min(c.recompute for c in reference):
             return None
         while True:
@@ -522,7 +340,7 @@ class Search:
         """Where the nested search starts, one list per solver: ``best`` (the smallest candidate), then the
         smallest of each other solver's candidates (so a DP solver's search starts where ``solver="chen"``'s
         does, and ends at most as high); after each, its solver's other plans whose replay is within the margin
-        of :meth:`_may_fit` of the first's peak, by peak (at most ``SEEDS_PER_SOLVER`` in all; ``trusted``: by
+        of :meth:`may_fit` of the first's peak, by peak (at most ``SEEDS_PER_SOLVER`` in all; ``trusted``: by
         replayed peaks alone, measuring none and reading no measurement, so that the search is the same before
         and after the candidates are measured), each searched while the solver's budget of measurements lasts
         (:meth:`lowest` keeps the lowest; the budget is per solver, so that the search from Chen's plans
@@ -531,7 +349,7 @@ class Search:
         GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB (docs/rewrite.md); at batch 8 four of Chen's plans
         measure the same peak and lead to different ends."""
         by_solver: dict[str, list[Candidate]] = {}  # a plan several solvers have is in each one's list
-        for c in [*self._bottom(), *self.floor()]:
+        for c in [*self.bottom(), *self.floor()]:
             for solver in sorted(c.solvers):
                 by_solver.setdefault(solver, []).append(c)
         groups = []
@@ -549,7 +367,7 @@ class Search:
                         and c.replayed_up_to(low.replayed / (1 - MARGIN)) * (1 - MARGIN) <= low.replayed]
                 others = sorted(near, key=lambda c: (c.replayed, c.recompute))
             else:
-                near = [c for c in group if c is not low and not c.rejected and self._may_fit(c, low.peak)]
+                near = [c for c in group if c is not low and not c.rejected and self.may_fit(c, low.peak)]
                 others = sorted((c for c in near if self.measure(c) is not None), key=lambda c: (c.peak, c.recompute))
             groups.append([low, *others][:SEEDS_PER_SOLVER])
         return groups
@@ -557,12 +375,12 @@ class Search:
     def least_recompute(self, budget: int, near_smallest: bool = False) -> Candidate | None:
         """The candidate of least recomputation whose measured peak is at most ``budget`` (ties: lower peak);
         ``near_smallest``: a budget within ``NEGLIGIBLE`` of the smallest peak, which only the frontier's bottom
-        (:meth:`_bottom`) may fit.
+        (:meth:`bottom`) may fit.
 
         Where nothing is measured yet, the first measurement is of the candidate of least recomputation that
         the replay says fits: where the replay is right, it is trusted from then on (:meth:`could_fit`) and
         that candidate is the answer, in one fake step."""
-        walk = self._bottom if near_smallest else self._walk
+        walk = self.bottom if near_smallest else self.walk
         if self.trust_replay and not self.measured_candidates():
             first = next((c for plans in (walk, self.floor) for c in plans()
                           if c.replayed_up_to(budget) <= budget), None)
@@ -584,7 +402,7 @@ class Search:
         """The candidates in order of non-decreasing recomputation, generated as they are asked for: the walk's,
         and (``floor``) the other solvers' smallest plans (:meth:`floor`, made once a plan that recomputes
         anything is asked for)."""
-        walk = self._walk()
+        walk = self.walk()
         first = next(walk, None)
         if first is not None:
             yield first
@@ -596,10 +414,10 @@ class Search:
     def could_fit(self, c: Candidate, budget: int, trusted: bool) -> bool:
         """False if ``c``'s replayed peak rules out a measured peak within ``budget``: by more than ``TRUST``
         where the replay is ``trusted`` (every candidate measured so far replayed within it), else by the
-        margin of :meth:`_may_fit`."""
+        margin of :meth:`may_fit`."""
         if trusted:
             return c.replayed_up_to(budget / (1 - TRUST)) * (1 - TRUST) <= budget
-        return self._may_fit(c, budget)
+        return self.may_fit(c, budget)
 
     def _better(self, c: Candidate, found: Candidate | None, budget: int) -> Candidate | None:
         """``c`` if it fits ``budget`` and beats ``found`` (less recomputation, ties: lower peak), else ``found``;
@@ -670,66 +488,6 @@ class Search:
         return c.module
 
 
-def in_replay_order(candidates: list[Candidate], done: Callable[[Candidate], bool]) -> Iterator[Candidate]:
-    """``candidates`` by replayed peak (ties: least recomputation, then their order), until ``done(c)`` says the
-    caller needs no candidate from ``c`` on; ``done`` must be monotone in the replayed peak, as it is asked
-    with a lower bound of it (:meth:`Candidate.replayed_up_to`). Each is replayed only as far as it could
-    still come next: a search for the smallest peak replays the top of a time-centric frontier (little
-    recomputation, a peak several times the smallest) until its peak passes the least seen so far."""
-    least: float = math.inf
-    heap: list[tuple[int, float, int, bool, Candidate]] = []
-    for n, c in sorted(enumerate(candidates), key=lambda nc: nc[1].plan.predicted_peak_bytes or 0):
-        value = c.replayed_up_to(least * (1 + _REPLAY_WINDOW))
-        exact = c.peaks is not None
-        if exact:
-            least = min(least, value)
-        heapq.heappush(heap, (value, c.recompute, n, exact, c))
-    while heap:
-        value, recompute, n, exact, c = heap[0]
-        if done(c):
-            return
-        heapq.heappop(heap)
-        if exact:
-            yield c
-        else:
-            heapq.heappush(heap, (c.replayed, recompute, n, True, c))
-
-
-#: How far above the least replayed peak seen so far :func:`in_replay_order` replays candidates in full at
-#: first; those above it are replayed to the end only if the caller asks for them.
-_REPLAY_WINDOW = 2 * MARGIN
-
-
 def replayed_within_trust(measured: list[Candidate]) -> bool:
     """True if every one of ``measured`` (one at least) replayed within ``TRUST`` of its measured peak."""
     return bool(measured) and all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)
-
-
-def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Plan]:
-    """For a DP solver, the other planners' plans at their smallest peaks: Chen's plans, and the other
-    DP's time-centric plan at its smallest budget and memory-centric plan (where its family of lower
-    sets differs from this solver's; otherwise its plans are this solver's). They join the candidates so
-    that the smallest measured peak a DP solver reports is at most every planner's smallest plan's, whichever
-    solver was asked for; where the other DP refuses (the exact DP over more moves
-    than its cap), without its plans. ``solver="chen"`` stays the paper's baseline: none.
-    """
-    if solver == "chen":
-        return []
-    lower_sets, pruned = exact_family_size(cg), dp.context(cg, SWEEP).family(False).S
-    plans = chen_plans(cg, model)
-    other = "exact" if solver == "approx" else "approx"
-    if lower_sets != pruned and (other == "approx" or lower_sets is not None):
-        try:
-            resident = resident_bytes(cg, model)
-            lo = min_budget_bytes_graph(cg, model, solver=other, memory_model=SWEEP, resident=resident)
-            plans += [plan_graph(cg, model, lo, strategy="time", solver=other, memory_model=SWEEP, resident=resident),
-                      plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP,
-                                 resident=resident)]
-        except FxplanError as exc:  # the exact DP's caps (moves, time): its plans are extras, not the answer
-            # The error's advice ("use the approximate DP") is for a user who asked for that DP, not for this
-            # search; a user of the approximate DP loses nothing they asked for, so that is said at DEBUG only.
-            reason = str(exc).split("; use ")[0]
-            logger.log(logging.DEBUG if solver == "approx" else logging.INFO,
-                       "fxplan: the candidates leave out the %s DP's smallest plans, which it cannot solve here (%s)",
-                       other, reason)
-    return plans

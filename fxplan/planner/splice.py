@@ -23,8 +23,8 @@ import copy
 
 import torch.fx as fx
 
-from fxplan.capture.capturers import owning_graph_module
 from fxplan.capture.effects import ordering_edges
+from fxplan.capture.graph_module import owning_graph_module
 from fxplan.capture.recomputed_inputs import call_recomputing
 from fxplan.capture.regions import conv_of_recomputed_region, with_regions
 from fxplan.errors import FxplanError

@@ -54,7 +54,8 @@ import torch
 from fxplan.capture.regions import Region, dropped_bytes, recompute_cost, regions_of, with_regions
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError
-from fxplan.planner.search import NEGLIGIBLE, Candidate, Search, replayed_within_trust
+from fxplan.planner.candidates import Candidate
+from fxplan.planner.search import NEGLIGIBLE, Search, replayed_within_trust
 from fxplan.planner.splice import SpliceError, derived, spliced
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers.costgraph import CostGraph

@@ -16,7 +16,7 @@ Where the data graph is not the whole story (see :mod:`fxplan.capture.effects`):
 * an in-place op that opens a recomputed segment on a value from an earlier one, and that nothing
   else in between needs (ResNet's ``relu(out += identity)`` at a block boundary), runs inline between
   the segments, not recomputed: the later segment keeps the op's result, which is also what the op's
-  autograd node saves, and no copy is made (:meth:`_Rewrite.inplace_openers`);
+  autograd node saves, and no copy is made (:meth:`fxplan.rewriter.planned_graph.Rewrite.inplace_openers`);
 * any other in-place op whose overwritten value is read by a recomputation (it is an input of a
   recomputed segment that runs no later than the op), or that the plan moves across a reader of the
   old value, gets a private copy of its operand first (``x_copy = x.clone()`` before ``self.relu(x_copy)``):
@@ -30,6 +30,10 @@ on the CPU when the plan keeps the program order (contiguous blocks of a topolog
 the autograd graph is the same up to identity-gradient copy nodes. A plan that reorders nodes can
 change the order in which the autograd engine sums three or more gradient contributions to one value
 (a tensor or tied weight used three or more times), which changes results in the last bits.
+
+The plan's checks and the in-place fixes of its graph are :mod:`fxplan.rewriter.planned_graph`'s, the code of the
+segments :mod:`fxplan.rewriter.emit`'s; this module puts the module together (:func:`segment_module`) and holds what
+it is (:class:`SegmentedModule`).
 """
 
 from __future__ import annotations
@@ -44,19 +48,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxplan.capture import effects
-from fxplan.capture.capturers import owning_graph_module, resolve_attr
+from fxplan.capture.graph_module import owning_graph_module, resolve_attr
 from fxplan.capture.portable import portable_target, restored
-from fxplan.common.console import format_count
 from fxplan.errors import FxplanError
 from fxplan.rewriter.emit import Emitter
+from fxplan.rewriter.planned_graph import Rewrite, split_off, validate
 from fxplan.rewriter.recompute import Segment
 from fxplan.solvers import subplans
 
 logger = logging.getLogger("fxplan")
-_WARNED_INPUTS: set[tuple[str, str]] = set()
-
-_LAST = 1 << 30  # segment index of the output node
 
 
 def copy_for_inplace(x: Any) -> Any:
@@ -295,292 +295,6 @@ def _graph_module(holder: torch.nn.Module, graph: fx.Graph, class_name: str) -> 
     return owning_graph_module(holder, graph, holder.__dict__.get("_fxplan_extras"), class_name)
 
 
-# ----------------------------------------------------------------------------------------------
-# validation
-
-
-def _validate(gm: fx.GraphModule, segments: Sequence[Sequence[str]]) -> list[list[str]]:
-    if not isinstance(gm, fx.GraphModule):
-        raise FxplanError(
-            f"segment_module needs a torch.fx.GraphModule, got {type(gm).__name__}; "
-            "trace the model first (torch.fx.symbolic_trace(model))"
-        )
-    if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
-        raise FxplanError("segments must be a list of lists of node names")
-    plan = []
-    for i, seg in enumerate(segments):
-        if isinstance(seg, (str, bytes)) or not isinstance(seg, Sequence):
-            raise FxplanError(f"segment {i} must be a list of node names, got {seg!r}")
-        if len(seg) == 0:
-            raise FxplanError(f"segment {i} is empty; drop it from the plan")
-        plan.append([str(v) for v in seg])
-    if not plan:
-        raise FxplanError("the plan has no segments; pass at least one (all compute nodes)")
-    compute = [n.name for n in gm.graph.nodes if effects.is_compute(n)]
-    names = {n.name: n for n in gm.graph.nodes}
-    seen: dict[str, int] = {}
-    for i, seg in enumerate(plan):
-        for v in seg:
-            if v not in names:
-                raise FxplanError(f"segment {i} names {v!r}, which is not a node of the graph")
-            if not effects.is_compute(names[v]):
-                raise FxplanError(
-                    f"segment {i} names {v!r}, a {names[v].op} node; segments list only compute "
-                    "nodes (call_module, call_function, call_method)"
-                )
-            if v in seen:
-                raise FxplanError(f"node {v!r} appears in segments {seen[v]} and {i}; list it once")
-            seen[v] = i
-    missing = [v for v in compute if v not in seen]
-    if missing:
-        raise FxplanError(
-            f"the plan leaves out {format_count(len(missing), 'compute node')}, e.g. {missing[:5]}; "
-            "every compute node must be in exactly one segment"
-        )
-    for n in gm.graph.nodes:
-        if n.name in seen:
-            for u in n.all_input_nodes:
-                if u.name in seen and seen[u.name] > seen[n.name]:
-                    raise FxplanError(
-                        f"node {n.name!r} in segment {seen[n.name]} uses {u.name!r} from later "
-                        f"segment {seen[u.name]}; segments must be in execution order "
-                        "(each union of the first i segments a lower set)"
-                    )
-    return plan
-
-
-# ----------------------------------------------------------------------------------------------
-# in-place ops and random ops
-
-
-class _Rewrite:
-    """The plan applied to a private copy of the graph: segment of each node, copies, redirects."""
-
-    def __init__(self, gm: fx.GraphModule, plan: list[list[str]], plain: frozenset[int] = frozenset()):
-        self.gm = gm
-        self.plain = plain  # leaves that are not checkpointed (in-place ops split off by _split_off)
-        self.graph = copy.deepcopy(gm.graph)
-        by_name = {n.name: n for n in self.graph.nodes}
-        self.seg: dict[fx.Node, int] = {}
-        for i, names in enumerate(plan):
-            for v in names:
-                self.seg[by_name[v]] = i
-        self.k = len(plan)
-        # Classify once: rewriting only swaps argument nodes, never what a node is.
-        self.mpos = {n: effects.mutated_position(n, gm) for n in self.graph.nodes if effects.is_compute(n)}
-        self.is_view = {
-            n: self.mpos[n] is None and effects.view_source(n, gm) is not None for n in self.mpos
-        }
-
-    def _source(self, n: fx.Node) -> fx.Node | None:
-        where = self.mpos.get(n)
-        if where is not None:
-            kind, key = where
-            value = n.args[key] if kind == "arg" else n.kwargs.get(key)  # type: ignore[index]
-            return value if isinstance(value, fx.Node) else None
-        if self.is_view.get(n):
-            first = n.args[0]
-            return first if isinstance(first, fx.Node) else None
-        return None
-
-    def roots(self) -> dict[fx.Node, fx.Node]:
-        root: dict[fx.Node, fx.Node] = {}
-        for n in self.graph.nodes:
-            src = self._source(n)
-            root[n] = root.get(src, src) if src is not None else n
-        return root
-
-    def seg_of(self, node: fx.Node) -> int:
-        if node.op == "output":
-            return _LAST
-        return self.seg.get(node, -1)  # placeholders and attributes: available everywhere
-
-    def inplace_openers(self) -> list[tuple[str, int, int]]:
-        """In-place ops that would open a recomputed leaf on a value from an earlier leaf, and can run alone.
-
-        A ``relu_(a)`` that is the first node of leaf ``s`` while ``a`` comes from leaf ``j < s`` would
-        need a private copy of ``a`` (:meth:`fix_inplace`): the recomputed leaf keeps ``a`` as its input
-        and must not overwrite it. When nothing but the op reads ``a`` outside leaf ``j`` and the op's
-        other inputs come from leaves ``<= j`` (ResNet's ``out += identity; out = relu(out)`` at a block
-        boundary), :func:`segment_module` runs the op by itself, not recomputed, between the two: the
-        same program, the op overwrites ``a`` as the model does, its autograd node saves what it saves in
-        the model (for ReLU: its result, the very tensor leaf ``s`` keeps as input), and nothing is
-        copied. Returns ``(op name, j, s)``; random ops are never split off (their order is fixed).
-        """
-        out = []
-        pos = {v: i for i, v in enumerate(self.graph.nodes)}
-        first: dict[int, fx.Node] = {}
-        for v in self.graph.nodes:
-            if v in self.seg:
-                first.setdefault(self.seg[v], v)
-        for n in self.graph.nodes:
-            a = self._source(n) if effects.is_compute(n) and self.mpos.get(n) is not None else None
-            if a is None or a not in self.seg or effects.is_random(n, self.gm):
-                continue
-            j, s = self.seg[a], self.seg_of(n)
-            if not (j < s < self.k - 1 and first[s] is n):
-                continue
-            if any(m is not n and self._source(m) is a for m in self.graph.nodes) or self._source(a) is not None:
-                continue  # a is an alias, or has a view or another in-place op: leave it to fix_inplace
-            if any(self.seg_of(u) > j for u in n.all_input_nodes if u is not a):
-                continue
-            if any(self.seg_of(r) > j for r in a.users if r is not n and pos[r] < pos[n]):
-                continue  # a reader of the old value would run after the op
-            out.append((n.name, j, s))
-        return out
-
-    def fix_inplace(self) -> None:
-        """Copy the operand of each in-place op that recomputation or the plan's order would break."""
-        for n in list(self.graph.nodes):
-            if not effects.is_compute(n):
-                continue
-            where = self.mpos.get(n)
-            a = self._source(n) if where is not None else None
-            if where is None or a is None:
-                continue
-            pos = {v: i for i, v in enumerate(self.graph.nodes)}
-            roots = self.roots()
-            members = [m for m in self.graph.nodes if roots[m] is roots[a]]
-            s = self.seg_of(n)
-            if roots[a].op == "get_attr":
-                # A module attribute (a buffer) updated in place: the buffer guard's business, unless a
-                # recomputed segment takes a value of it from another segment. Checkpoint holds that value
-                # for the recomputation, and state cannot be given a private copy.
-                computed = [m for m in members if m.op != "get_attr"]
-                if self._read_by_recompute(computed, s):
-                    raise FxplanError(
-                        f"in-place op {n.name!r} (segment {s}) updates {roots[a].target!r}, a module attribute "
-                        "that a recomputed segment takes from another segment; keep the attribute's in-place "
-                        "updates in one segment with the ops that read them"
-                    )
-                continue
-            if not (self._read_by_recompute(members, s) or self._reordered(members, n, pos)):
-                continue
-            if roots[a].op == "placeholder" and (n.name, roots[a].target) not in _WARNED_INPUTS:
-                _WARNED_INPUTS.add((n.name, roots[a].target))  # once: the search generates many candidates
-                logger.warning("fxplan: in-place op %r overwrites model input %r, whose old value a recomputed "
-                               "segment needs: the rewritten module runs it on a private copy in training, so the "
-                               "caller's tensor keeps its value where the model's forward changes it",
-                               n.name, roots[a].target)
-            self._copy_operand(n, a, where, members, pos)
-
-    def _read_by_recompute(self, members: list[fx.Node], s: int) -> bool:
-        for m in members:
-            for r in m.users:
-                k = self.seg_of(r)
-                if k <= s and k < self.k - 1 and k not in self.plain and k != self.seg_of(m):
-                    return True
-        return False
-
-    def _reordered(self, members: list[fx.Node], n: fx.Node, pos: dict[fx.Node, int]) -> bool:
-        s = self.seg_of(n)
-        for m in members:
-            for r in m.users:
-                if r is n:
-                    continue
-                if pos[r] < pos[n] and self.seg_of(r) > s:
-                    return True
-                if pos[r] > pos[n] and self.seg_of(r) < s:
-                    return True
-        return False
-
-    def _copy_operand(self, n, a, where, members, pos) -> None:
-        later = [r for m in members for r in m.users if r is not n and pos[r] > pos[n]]
-        for r in later:
-            for u in r.all_input_nodes:
-                if u in members and u is not a and pos[u] < pos[n]:
-                    raise FxplanError(
-                        f"{r.name!r} reads {u.name!r}, an alias of {a.name!r}, after in-place op "
-                        f"{n.name!r} overwrote it, and the plan needs {n.name!r} made "
-                        "out-of-place; keep these nodes in one segment or write the model "
-                        "without the in-place op"
-                    )
-        s = self.seg_of(n)
-        for r in later:
-            if a in r.all_input_nodes:
-                if self.seg_of(r) < s:
-                    raise FxplanError(
-                        f"{r.name!r} (segment {self.seg_of(r)}) reads {a.name!r} after in-place op "
-                        f"{n.name!r} (segment {s}) overwrote it; the plan must not put "
-                        f"{r.name!r} in an earlier segment (see fxplan.capture.effects.ordering_edges)"
-                    )
-                r.replace_input_with(a, n)
-        with self.graph.inserting_before(n):
-            if n.op == "call_function" and n.target in effects.INPLACE_OPERATORS:
-                op, target = "call_function", copy_for_inplace
-            else:
-                op, target = "call_method", "clone"
-            c = self.graph.create_node(op, target, (a,), {}, name=f"{a.name}_copy")
-        self.seg[c] = s
-        kind, key = where
-        if kind == "arg":
-            n.update_arg(key, c)
-        else:
-            n.update_kwarg(key, c)
-
-    def check_random_order(self) -> None:
-        last: fx.Node | None = None
-        for n in self.graph.nodes:
-            if effects.is_compute(n) and effects.is_random(n, self.gm):
-                if last is not None and self.seg_of(n) < self.seg_of(last):
-                    raise FxplanError(
-                        f"the plan runs random op {n.name!r} (segment {self.seg_of(n)}) before "
-                        f"{last.name!r} (segment {self.seg_of(last)}), which precedes it in the "
-                        "model; they would draw different random numbers. Keep random ops in "
-                        "program order (see fxplan.capture.effects.ordering_edges)"
-                    )
-                last = n
-
-
-def _split_off(
-    blocks: list[subplans.Block], openers: list[tuple[str, int, int]]
-) -> tuple[list[subplans.Block], set[int]]:
-    """A copy of ``blocks`` in which each in-place op of :meth:`_Rewrite.inplace_openers` is a block of its
-    own that is not checkpointed, and the ids of those blocks.
-
-    The op ``n`` opens leaf ``s``; its operand comes from leaf ``j``. The new block goes right before the
-    ancestor of leaf ``s`` that is a sibling of an ancestor of leaf ``j`` (in their closest common
-    parent), so the operand is made inside that parent or outside it and never a recomputed segment's
-    input. Only done when leaf ``s`` is the first leaf of that ancestor (nothing else moves); a leaf that is
-    ``n`` alone is not split but marked. Elsewhere :meth:`_Rewrite.fix_inplace` copies the operand.
-    """
-    blocks = copy.deepcopy(blocks)
-    paths: list[list[int]] = []
-
-    def walk(bs: list[subplans.Block], prefix: list[int]) -> None:
-        for i, b in enumerate(bs):
-            if b.sub is None:
-                paths.append([*prefix, i])
-            else:
-                walk(b.sub, [*prefix, i])
-
-    walk(blocks, [])
-    leaves = subplans.leaf_blocks(blocks)
-    plain: set[int] = set()
-    moves = []
-    for name, j, s in openers:
-        pj, ps = paths[j], paths[s]
-        d = next(i for i in range(min(len(pj), len(ps))) if pj[i] != ps[i])
-        if len(leaves[s].names) == 1 and len(ps) == d + 1:
-            plain.add(id(leaves[s]))  # the op is a whole segment of its own: just do not checkpoint it
-        elif len(leaves[s].names) > 1 and not any(x != 0 for x in ps[d + 1:]):
-            moves.append((ps, name, s, d))
-    for ps, name, s, d in sorted(moves, reverse=True):  # later positions first: earlier ones stay valid
-        parent_path, at = ps[:d], ps[d]
-        leaves[s].names.remove(name)
-        siblings = blocks
-        for i in parent_path:
-            siblings = siblings[i].sub  # type: ignore[assignment]
-        new = subplans.Block([name])
-        siblings.insert(at, new)
-        plain.add(id(new))
-    return blocks, plain
-
-
-# ----------------------------------------------------------------------------------------------
-# code generation
-
-
 def segment_module(
     gm: fx.GraphModule, segments: Sequence[Sequence[str]], children: Mapping[str, Any] | None = None
 ) -> SegmentedModule:
@@ -604,13 +318,13 @@ def segment_module(
     if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
         raise FxplanError("segments must be a list of lists of node names")
     given = subplans.tree(segments, children)
-    plan = _validate(gm, subplans.leaves(given))
-    rw = _Rewrite(gm, plan)
-    blocks, plain = _split_off(given, rw.inplace_openers())
+    plan = validate(gm, subplans.leaves(given))
+    rw = Rewrite(gm, plan)
+    blocks, plain = split_off(given, rw.inplace_openers())
     if plain:  # in-place ops split off: the leaves changed, and so does the rewrite
         leaves = subplans.leaf_blocks(blocks)
-        rw = _Rewrite(gm, subplans.leaves(blocks), frozenset(i for i, b in enumerate(leaves) if id(b) in plain))
-    rw.fix_inplace()
+        rw = Rewrite(gm, subplans.leaves(blocks), frozenset(i for i, b in enumerate(leaves) if id(b) in plain))
+    rw.fix_inplace(copy_for_inplace)
     rw.check_random_order()
     graph = rw.graph
     nodes = list(graph.nodes)

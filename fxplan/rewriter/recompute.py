@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from fxplan.capture import effects
-from fxplan.capture.capturers import resolve_attr
+from fxplan.capture.graph_module import resolve_attr
 from fxplan.measure import scratch
 
 #: Modules whose training-mode forward is known to update their own buffers.
@@ -170,7 +170,7 @@ class Segment(fx.GraphModule):
     ):
         children = dict(children or {})
         # a nested segment's graph calls its sub-segments, and the in-place ops it runs inline between them
-        # (fxplan.rewriter.codegen._split_off): GraphModule checks that a dict root names each of them
+        # (fxplan.rewriter.planned_graph.split_off): GraphModule checks that a dict root names each of them
         inline = {
             str(n.target): resolve_attr(root, str(n.target))
             for n in graph.nodes
