@@ -11,6 +11,7 @@ from torch import nn
 import fxplan
 from fxplan.capture.capturers import as_call
 from fxplan.compare import peers, torch_sac
+from fxplan.compare.methods import default_methods, select_methods
 from fxplan.errors import BudgetError, FxplanError
 
 transformers = pytest.importorskip("transformers")
@@ -143,3 +144,25 @@ def test_bad_fraction_and_accelerator_modes_are_refused():
         with pytest.raises(FxplanError, match="needs an accelerator"):
             peers.sac_ilp_peer(Net(), (torch.randn(4, 8),), None, 0.5, runtime_mode=mode)
 
+
+def test_registered_as_a_compare_method():
+    methods = select_methods(default_methods(compile_budgets=(), curve_points=(), sac_budgets=(0.5, 0.25)), ["sac-ilp"])
+    assert [(m.name, m.family) for m in methods] == [("vanilla", "baseline"), ("sac-ilp@0.5", "peer"),
+                                                      ("sac-ilp@0.25", "peer")]
+
+
+def test_compare_measures_the_peer_at_the_main_batch_and_in_real_steps():
+    """``fxplan compare``'s row: planned on the fake main-batch inputs, measured there and in a real small step."""
+    from fxplan.compare.driver import compare_network
+    from models_zoo import hf
+
+    entry = hf.tiny_entry("gpt2_small")
+    torch.manual_seed(0)
+    methods = select_methods(default_methods(compile_budgets=(), curve_points=()), ["sac-ilp@0.5"])
+    rows, _ = compare_network("tiny-gpt2", entry.build(), entry.loss, lambda b, s: entry.example_inputs(b, s),
+                              batch=4, input_size=64, small_batch=2, small_input_size=16, methods=methods, repeats=1,
+                              input_label="seq 64")
+    vanilla, sac = rows
+    assert sac.method == "sac-ilp@0.5" and sac.status == "ok", sac.note
+    assert sac.peak_bytes < vanilla.peak_bytes and sac.small_peak_bytes < vanilla.small_peak_bytes
+    assert sac.recompute_fraction > 0
