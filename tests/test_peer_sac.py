@@ -17,8 +17,7 @@ from fxplan.errors import BudgetError, FxplanError
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("pulp")
 pytest.importorskip("pwlf")
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"),  # as every bitwise comparison of the suite runs
-              pytest.mark.filterwarnings("ignore::DeprecationWarning:pulp")]  # torch's sac_ilp calls PuLP 3's API
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as every bitwise comparison of the suite runs
 
 
 def _tiny_gpt2() -> nn.Module:
