@@ -50,7 +50,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fxplan.capture.capturers import ExampleCall
 from fxplan.capture.fakes import caches_kept_real, fake_copy, fake_mode_of, to_fake
-from fxplan.errors import FxplanError
+from fxplan.errors import BudgetError, FxplanError
 
 #: The runtime estimate made here on the CPU (module docstring); torch's two modes keep their own names.
 CPU_BENCHMARK = "cpu-benchmark"
@@ -286,8 +286,6 @@ def solve(stats: EstimatorStats, budget_bytes: int,
     feasible budget, if known (recorded in the plan).
 
     Raises :class:`fxplan.errors.BudgetError` where ``sac_milp`` finds no solution."""
-    from fxplan.errors import BudgetError
-
     *_, sac_ilp = _tools()
     discard, recompute_ms, peak = sac_ilp.sac_milp(stats.graph, memory_budget=budget_bytes / 2**30)
     if peak < 0:
