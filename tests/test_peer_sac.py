@@ -128,6 +128,25 @@ def test_a_leaf_called_twice_is_planned_and_exact():
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(peer.parameters(), reference.parameters()))
 
 
+def test_a_module_with_nothing_to_discard_is_no_candidate_and_vit_is_exact():
+    """A Hugging Face ViT's patch embedding (a convolution, then views) has no op memory in SACEstimator's
+    statistics, whose trade-off curve divides by it: it is left out, the rest is planned."""
+    from models_zoo import hf
+
+    entry = hf.tiny_entry("vit_base_16")
+    torch.manual_seed(0)
+    model = entry.build()
+    inputs = entry.example_inputs(2, 32)
+    peer = peers.sac_ilp_peer(model, inputs, entry.loss, 0.5)
+    assert "ViTForImageClassification.vit.embeddings.patch_embeddings" in peer.fxplan_sac.no_memory
+    assert peer.fxplan_sac.discard
+    reference = copy.deepcopy(model)
+    for m in (peer, reference):
+        torch.manual_seed(1)
+        entry.loss(m(*inputs)).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(peer.parameters(), reference.parameters()))
+
+
 def test_a_module_with_children_called_twice_is_refused():
     torch.manual_seed(0)
     with pytest.raises(FxplanError, match="runs 3 times in one step"):

@@ -5,12 +5,14 @@
 tests do. On a fake copy of the model, one step each under ``MemTracker`` (module-wise memory),
 ``RuntimeEstimator`` (the module order) and ``SACEstimator`` (per module: every op call of its forward with its
 output bytes and time, and which are views, in-place or random); ``ilp_utils.aggregate_stats`` and
-``parse_module_info`` make the module tree; ``sac_ilp.sac_milp`` chooses the modules to checkpoint and the share of
-each one's activation memory to discard under a budget in bytes (:func:`smallest_budget`: the smallest it meets);
-``sac_ilp.get_optimal_checkpointing_policy_per_module`` chooses, per chosen module, which op outputs to keep for that
-share (where ``sac_milp`` discards a module wholly, the share torch's own constraints keep anyway, a few bytes of
-BatchNorm counters: :func:`_forced_share`). :class:`SACForward` runs each chosen module's forward under non-reentrant
-``torch.utils.checkpoint`` with a selective-checkpoint policy that keeps those outputs.
+``parse_module_info`` make the module tree (two kinds of module torch's tools fail on are adapted:
+:func:`_drop_repeated_leaves`, :func:`_drop_modules_without_memory`); ``sac_ilp.sac_milp`` chooses the modules to
+checkpoint and the share of each one's activation memory to discard under a budget in bytes
+(:func:`smallest_budget`: the smallest it meets); ``sac_ilp.get_optimal_checkpointing_policy_per_module`` chooses,
+per chosen module, which op outputs to keep for that share (where ``sac_milp`` discards a module wholly, the share
+torch's own constraints keep anyway, a few bytes of BatchNorm counters: :func:`_forced_share`). :class:`SACForward`
+runs each chosen module's forward under non-reentrant ``torch.utils.checkpoint`` with a selective-checkpoint policy
+that keeps those outputs.
 
 Time estimates. ``SACEstimator`` and ``RuntimeEstimator`` have two modes in torch 2.14.1 and both need an
 accelerator: ``operator-level-cost-model`` (a roofline model) asserts ``torch.accelerator.is_available()``, and
@@ -127,6 +129,7 @@ class EstimatorStats:
     runtime_mode: str
     untimed: set[str] = field(default_factory=set)
     dropped_repeats: list[str] = field(default_factory=list)  # leaf modules called more than once (kept once)
+    no_memory: list[str] = field(default_factory=list)  # modules with nothing to discard, no checkpoint candidates
 
     @property
     def baseline_peak_bytes(self) -> int:
@@ -184,6 +187,7 @@ def collect(model: nn.Module, call: ExampleCall, loss_fn: Any, runtime_mode: str
             out = fmodel(*args, **kwargs)
         del out
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        no_memory = _drop_modules_without_memory(sac)
         try:
             info = ilp_utils.aggregate_stats(fmodel, memory, runtime, sac, device)
         except KeyError as exc:
@@ -192,7 +196,8 @@ def collect(model: nn.Module, call: ExampleCall, loss_fn: Any, runtime_mode: str
                               "this step") from exc
     dropped = _drop_repeated_leaves(info)
     graph = ilp_utils.parse_module_info(info)
-    return EstimatorStats(graph, dict(sac.sac_mod_stats), graph.nodes[0]["fqn"], runtime_mode, untimed, dropped)
+    return EstimatorStats(graph, dict(sac.sac_mod_stats), graph.nodes[0]["fqn"], runtime_mode, untimed, dropped,
+                          no_memory)
 
 
 def _set_estimate(estimator: Any, attribute: str, timer: Any) -> None:
@@ -201,6 +206,25 @@ def _set_estimate(estimator: Any, attribute: str, timer: Any) -> None:
                           f"({torch.__version__}): its CPU timing cannot be set; use an accelerator and one of "
                           f"{', '.join(TORCH_MODES)}")
     setattr(estimator, attribute, timer)
+
+
+def _drop_modules_without_memory(sac: Any) -> list[str]:
+    """Leave out of ``SACEstimator``'s statistics the modules whose op calls it gives no memory at all, so that
+    ``aggregate_stats`` treats them as it treats leaves: never a checkpoint unit. Such a module has nothing to
+    discard: besides views its only op is its last, whose output the estimator counts as the block's output (a
+    Hugging Face ViT's patch embedding: a convolution, a view, a transpose), and torch's trade-off curve divides by
+    that memory (a ZeroDivisionError). A module with memory but no time at all raises :class:`FxplanError`: the curve
+    divides by its time too, and a free recomputation is not a thing to leave out. Returns the modules left out."""
+    left_out = []
+    for fqn, op_stats in list(sac.sac_mod_stats.items()):
+        if sum(op_stats.memory) == 0:
+            del sac.sac_mod_stats[fqn]
+            sac.sac_mod_greedy_order_meta.pop(fqn, None)
+            left_out.append(fqn)
+        elif sum(op_stats.runtimes) == 0:
+            raise FxplanError(f"torch's SACEstimator timed every op of {fqn} at 0 ms, and its trade-off curve "
+                              "divides by the module's time")
+    return left_out
 
 
 def _drop_repeated_leaves(info: dict[str, Any]) -> list[str]:
@@ -241,6 +265,7 @@ class SACPlan:
     runtime_mode: str
     untimed_ops: list[str] = field(default_factory=list)
     dropped_repeats: list[str] = field(default_factory=list)
+    no_memory: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         mib = 2**20
@@ -310,7 +335,7 @@ def solve(stats: EstimatorStats, budget_bytes: int,
     plan = SACPlan(budget_bytes, smallest if smallest is not None else smallest_budget(stats),
                    stats.baseline_peak_bytes, int(peak), float(recompute_ms),
                    {stats.path(f): s for f, s in discard.items()}, kept_calls, stats.runtime_mode,
-                   sorted(stats.untimed), stats.dropped_repeats)
+                   sorted(stats.untimed), stats.dropped_repeats, stats.no_memory)
     return plan, decisions
 
 
