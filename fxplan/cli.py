@@ -20,7 +20,7 @@ import torch
 
 from fxplan.capture.fakes import FakeMode
 from fxplan.common.console import Progress, format_bytes, format_table
-from fxplan.compare.methods import DEFAULT_COMPILE_BUDGETS, DEFAULT_CURVE_POINTS
+from fxplan.compare.methods import DEFAULT_COMPILE_BUDGETS, DEFAULT_CURVE_POINTS, DEFAULT_SAC_BUDGETS
 from fxplan.errors import BudgetError, FxplanError, TraceError
 from fxplan.measure.meter import GiB, MiB, measure_step
 
@@ -190,7 +190,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from fxplan.compare.report import summary_table, write_report
 
     entries = models_zoo.resolve_all(args.models)
-    methods = default_methods(args.compile_budgets, args.curve_points, exact=not args.no_exact)
+    sac_budgets = args.sac_budgets
+    if sac_budgets is None:  # sac-ilp times the model's ops on real tensors at the main batch: run where asked
+        asked = any(m.split("@")[0] == "sac-ilp" for m in args.methods or ())
+        sac_budgets = DEFAULT_SAC_BUDGETS if asked else ()
+    methods = default_methods(args.compile_budgets, args.curve_points, exact=not args.no_exact,
+                              sac_budgets=sac_budgets)
     if args.methods:
         methods = select_methods(methods, args.methods)
     device = parse_device(args.device)
@@ -230,6 +235,7 @@ COMPARE_DEFAULTS: dict[str, Any] = {
     "batch_size": None, "input_size": None, "small_batch": None, "small_input_size": None,
     "out": "fxplan-compare", "repeats": 5, "threads": None, "time_limit": 120.0, "device": None, "methods": None,
     "compile_budgets": DEFAULT_COMPILE_BUDGETS, "curve_points": DEFAULT_CURVE_POINTS,
+    "sac_budgets": None,
 }
 
 
@@ -297,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--small-input-size", type=positive_int, default=None, help="input size of the real steps")
     cmp.add_argument("--methods", type=names, default=None, metavar="LIST",
                      help="comma-separated methods (default: all): vanilla, checkpoint_sequential, "
-                          "hf-checkpointing, torch.compile, auto-checkpoint, chen, approx-time, approx-memory, "
-                          "exact-time, exact-memory, or one point such as torch.compile@0.5; vanilla always runs")
+                          "hf-checkpointing, torch.compile, sac-ilp, auto-checkpoint, chen, approx-time, "
+                          "approx-memory, exact-time, exact-memory, or one point such as torch.compile@0.5; "
+                          "vanilla always runs")
     cmp.add_argument("--out", default="fxplan-compare", help="report directory (default ./fxplan-compare)")
     cmp.add_argument("--repeats", type=positive_int, default=5,
                      help="timed rounds, every method once per round, after a warm-up round (default 5)")
@@ -308,6 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds allowed for an exact DP (default 120; 0: no limit)")
     cmp.add_argument("--compile-budgets", type=fractions, default=DEFAULT_COMPILE_BUDGETS,
                      help="activation_memory_budget values for torch.compile, comma-separated ('' for none)")
+    cmp.add_argument("--sac-budgets", type=fractions, default=None,
+                     help="budgets for PyTorch's automatic selective checkpointing (sac-ilp), as fractions of the "
+                          "way from the smallest its ILP meets (0) to the unplanned peak (1), comma-separated "
+                          "(default: none, or 0.5 where --methods names sac-ilp; it times the model's ops on real "
+                          "tensors at the main batch)")
     cmp.add_argument("--curve-points", type=fractions, default=DEFAULT_CURVE_POINTS,
                      help="extra budgets for the trade-off curve, as fractions of the way from the smallest "
                           "feasible budget (0) to vanilla's peak (1), comma-separated ('' for none)")

@@ -1,7 +1,8 @@
 """fxplan against its peers, one table per network: does fxplan's front dominate each peer?
 
 Usage: python scripts/peer_tables.py [NAME ...] [--batch-size N ...] [--input-size H] [--rounds R]
-       [--threads K] [--block-class CLS] [--compile-budgets F ...] [--only ROW ...] [--markdown]
+       [--threads K] [--block-class CLS] [--compile-budgets F ...] [--sac-budgets F ...] [--only ROW ...]
+       [--markdown]
 
 Rows (per network, real tensors on ``--device``: CUDA when present, else the CPU):
 
@@ -13,8 +14,13 @@ Rows (per network, real tensors on ``--device``: CUDA when present, else the CPU
 * ``hf-checkpointing``: a Hugging Face model's own ``gradient_checkpointing_enable()`` (non-reentrant;
   :func:`fxplan.compare.peers.hf_checkpointing_peer`), on transformers models only;
 * ``torch.compile@F``: :func:`fxplan.compare.peers.compile_peer` at ``activation_memory_budget`` F (0.5, 0.25);
+* ``sac-ilp@F``: PyTorch's automatic selective checkpointing (:func:`fxplan.compare.peers.sac_ilp_peer`:
+  ``torch.distributed._tools``' ``SACEstimator`` and ``sac_milp``) at the budget F (0.5) of the way from the smallest
+  its ILP meets to the unplanned peak, both in its own memory model;
 * ``fxplan-smallest``: ``fxplan.rewrite(model, None)``, the smallest peak fxplan reaches;
   ``fxplan-middle``: the time-centric plan at the budget halfway between that peak and vanilla's;
+  ``auto-checkpoint``: ``fxplan.auto_checkpoint`` on a copy of the model, the plan applied to its own modules at the
+  smallest peak it reaches there;
 * ``fxplan@PEER`` for every peer: the time-centric plan with the peer's measured peak as the budget, the
   point that should dominate it (no plan fits when the peer is below fxplan's smallest peak: said).
 
@@ -46,6 +52,7 @@ from torch import nn
 
 import models_zoo
 from fxplan.api import rewrite
+from fxplan.capture.fakes import model_copy
 from fxplan.cli import parse_device
 from fxplan.common.console import format_table
 from fxplan.compare import peers
@@ -86,15 +93,17 @@ class Row:
     note: str = ""
 
 
-def row_names(compile_budgets: Sequence[float]) -> list[str]:
+def row_names(compile_budgets: Sequence[float], sac_budgets: Sequence[float] = (0.5,)) -> list[str]:
     """Every row a table can have, in table order."""
-    own = ["vanilla", *PEERS, *(f"torch.compile@{f:g}" for f in compile_budgets)]
-    return [*own, "fxplan-smallest", "fxplan-middle", *(f"fxplan@{p}" for p in own[1:])]
+    own = ["vanilla", *PEERS, *(f"torch.compile@{f:g}" for f in compile_budgets),
+           *(f"sac-ilp@{f:g}" for f in sac_budgets)]
+    return [*own, "fxplan-smallest", "fxplan-middle", "auto-checkpoint", *(f"fxplan@{p}" for p in own[1:])]
 
 
 def build_rows(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.Tensor], *,
                wanted: Sequence[str], block: str | None = None, compile_budgets: Sequence[float] = (0.5, 0.25),
-               device: torch.device = CPU, log: Callable[[str], None] = print) -> list[Row]:
+               sac_budgets: Sequence[float] = (0.5,), device: torch.device = CPU,
+               log: Callable[[str], None] = print) -> list[Row]:
     """Build the ``wanted`` rows (vanilla always) and measure each one's peak on a real step; nothing timed.
 
     Peers first, so that each ``fxplan@PEER`` row can take the peer's measured peak as its budget.
@@ -110,6 +119,14 @@ def build_rows(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.T
             rows.append(_built(f"torch.compile@{f:g}", "peer", lambda f=f: _compiled(model, f, inputs, loss_fn, device),
                                 log))
             rows[-1].budget = f"activation_memory_budget={f:g}"
+    for f in sac_budgets:
+        if f"sac-ilp@{f:g}" in wanted:
+            rows.append(_built(f"sac-ilp@{f:g}", "peer", lambda f=f: _sac(model, f, inputs, loss_fn), log))
+            plan = getattr(rows[-1].module, "fxplan_sac", None)
+            if plan is not None:
+                rows[-1].budget = (f"sac_milp {plan.budget_bytes / MiB:.1f} MiB ({f:g} of "
+                                   f"{plan.smallest_budget_bytes / MiB:.1f}..{plan.baseline_peak_bytes / MiB:.1f}), "
+                                   f"{len(plan.discard)} modules")
     for row in rows:
         _measure_peaks(row, inputs, loss_fn, device, log)
     vanilla_fake = rows[0].fake_peak
@@ -128,6 +145,12 @@ def build_rows(model: nn.Module, inputs: tuple, loss_fn: Callable[[Any], torch.T
                 rows.append(_built("fxplan-middle", "fxplan", lambda: _fxplan(model, inputs, loss_fn, middle), log))
                 rows[-1].budget = f"{middle / MiB:.1f} MiB"
                 _measure_peaks(rows[-1], inputs, loss_fn, device, log)
+    if "auto-checkpoint" in wanted:
+        rows.append(_built("auto-checkpoint", "fxplan", lambda: _auto_checkpoint(model, inputs, loss_fn), log))
+        if rows[-1].module is not None:
+            applied = rows[-1].module.fxplan_plan
+            rows[-1].budget = f"smallest, {len(applied.regions)} modules"
+        _measure_peaks(rows[-1], inputs, loss_fn, device, log)
     excess = max(0, rows[0].peak - vanilla_fake) if rows[0].peak and vanilla_fake else 0
     for peer in [r for r in rows if r.family == "peer"]:
         name = f"fxplan@{peer.name}"
@@ -185,6 +208,22 @@ def _compiled(model: nn.Module, fraction: float, inputs: tuple, loss_fn,
     start = time.perf_counter()
     module = peers.compile_peer(real_copy(model, device), fraction)
     module.warm_up(inputs, loss_fn)
+    return module, time.perf_counter() - start
+
+
+def _sac(model: nn.Module, fraction: float, inputs: tuple, loss_fn) -> tuple[nn.Module, float]:
+    """PyTorch's automatic selective checkpointing at ``fraction`` (a copy sharing the parameters): (module, s)."""
+    start = time.perf_counter()
+    module = peers.sac_ilp_peer(model, inputs, loss_fn, fraction)
+    return module, time.perf_counter() - start
+
+
+def _auto_checkpoint(model: nn.Module, inputs: tuple, loss_fn) -> tuple[nn.Module, float]:
+    """``fxplan.auto_checkpoint`` on a copy of ``model`` (its own parameters), at its smallest peak: (module, s)."""
+    from fxplan.apply.auto import auto_checkpoint
+
+    start = time.perf_counter()
+    module = auto_checkpoint(model_copy(model), example_inputs=inputs, loss_fn=loss_fn)
     return module, time.perf_counter() - start
 
 
@@ -285,12 +324,12 @@ def _mib(n: int | None) -> str:
 
 def peer_table(model: nn.Module, inputs: tuple, loss_fn, *, wanted: Sequence[str], rounds: int,
                threads: int | None, block: str | None = None, compile_budgets: Sequence[float] = (0.5, 0.25),
-               device: torch.device = CPU,
+               sac_budgets: Sequence[float] = (0.5,), device: torch.device = CPU,
                log: Callable[[str], None] = print) -> tuple[list[Row], list[tuple]]:
     """One network's table: build and meter the ``wanted`` rows, then time them together (module docstring)."""
     with fixed_threads(threads):
         rows = build_rows(model, inputs, loss_fn, wanted=wanted, block=block, compile_budgets=compile_budgets,
-                          device=device, log=log)
+                          sac_budgets=sac_budgets, device=device, log=log)
         time_rows(rows, inputs, loss_fn, rounds=rounds, threads=threads, device=device, log=log)
     return rows, table(rows)
 
@@ -311,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--block-class", help="the block class to checkpoint (default: found per network)")
     parser.add_argument("--compile-budgets", type=float, nargs="+", default=[0.5, 0.25])
+    parser.add_argument("--sac-budgets", type=float, nargs="+", default=[0.5],
+                        help="sac-ilp budgets: fractions of the way from its ILP's smallest budget to the "
+                        "unplanned peak")
     parser.add_argument("--only", nargs="+", metavar="ROW", help="rows to build (vanilla always); 'fxplan@peers': "
                         "fxplan at every chosen peer's peak")
     parser.add_argument("--markdown", action="store_true", help="print Markdown tables")
@@ -323,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         batches = batches * len(args.names)
     if len(batches) != len(args.names):
         parser.error(f"give one --batch-size for all networks or one per network ({len(args.names)})")
-    names = row_names(args.compile_budgets)
+    names = row_names(args.compile_budgets, args.sac_budgets)
     wanted = list(names)
     if args.only:
         wanted = [n for n in names if n in args.only or (n.startswith("fxplan@") and "fxplan@peers" in args.only)]
@@ -339,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = entry.build().to(device)
         inputs = tuple(t.to(device) for t in entry.example_inputs(batch, args.input_size))
         rows, cells = peer_table(model, inputs, entry.loss, wanted=wanted, rounds=args.rounds, threads=args.threads,
-                                 block=args.block_class, compile_budgets=args.compile_budgets, device=device,
+                                 block=args.block_class, compile_budgets=args.compile_budgets,
+                                 sac_budgets=args.sac_budgets, device=device,
                                  log=lambda s, n=name: print(f"{n}: {s}", file=sys.stderr, flush=True))
         block = next((r.module.fxplan_block_class for r in rows if hasattr(r.module, "fxplan_block_class")), None)
         print(f"\n{name}, batch {batch}, {describe_input(entry.kind, args.input_size)}"

@@ -182,12 +182,14 @@ def test_peer_table_smoke_on_a_tiny_model():
     for r in rows:
         assert r.module is not None and r.timing is not None, (r.name, r.note)
         assert r.peak > 0 and r.fake_peak > 0
-    for peer in ("blocks", "blocks-selective"):
+    for peer in ("blocks", "blocks-selective", "sac-ilp@0.5"):
         assert by_name[f"fxplan@{peer}"].peak <= by_name[peer].peak
+    assert by_name["sac-ilp@0.5"].module.fxplan_sac.discard, "PyTorch's sac_milp checkpoints some blocks"
+    assert by_name["auto-checkpoint"].fake_peak <= by_name["vanilla"].fake_peak
     # fxplan's own meter (on a model this small the real-step meter also sees convolution workspaces)
     assert by_name["fxplan-smallest"].fake_peak <= by_name["fxplan-middle"].fake_peak <= by_name["vanilla"].fake_peak
     assert len(cells) == len(rows) and all(len(c) == len(script.HEADER) for c in cells)
-    dominated = {c[0]: c[-1] for c in cells if c[0] in ("blocks", "blocks-selective")}
+    dominated = {c[0]: c[-1] for c in cells if c[0] in ("blocks", "blocks-selective", "sac-ilp@0.5")}
     assert all(d.startswith(("fxplan", "not dominated")) for d in dominated.values()), dominated
     assert "fxplan-smallest" in script.meter_check(rows)
 

@@ -5,7 +5,9 @@ A :class:`Method` has a name (the report's row), a family (``baseline``, ``peer`
 returns; nothing here measures anything.
 
 Method names: ``vanilla``; ``checkpoint_sequential``; ``torch.compile@F`` (``activation_memory_budget``
-F); ``hf-checkpointing`` (Hugging Face's own checkpointing, transformers only); ``auto-checkpoint``
+F); ``sac-ilp@F`` (PyTorch's automatic selective checkpointing, ``torch.distributed._tools.sac_ilp``, at the budget
+F of the way from the smallest its ILP meets to the unplanned peak, both in its own memory model);
+``hf-checkpointing`` (Hugging Face's own checkpointing, transformers only); ``auto-checkpoint``
 (:func:`fxplan.auto_checkpoint` on a copy of the model, at its smallest peak); fxplan's ``chen``,
 ``approx-time``, ``approx-memory``, ``exact-time``, ``exact-memory`` at the smallest budget each reaches
 (Kusumoto et al. 2019, Table 1); and trade-off curve points ``approx-time@P`` and ``chen@P``: fxplan
@@ -41,6 +43,7 @@ FXPLAN_METHODS = {
 }
 DEFAULT_COMPILE_BUDGETS = (0.75, 0.5, 0.25)
 DEFAULT_CURVE_POINTS = (0.25, 0.5, 0.75)
+DEFAULT_SAC_BUDGETS = (0.5,)
 #: A training step as a multiple of its forward pass, for predicted step-time ratios: the backward pass
 #: takes about twice the forward (1.7-1.9x measured on ResNet-50, batch 16, 112², 2-core CPU).
 STEP_FORWARDS = 3.0
@@ -154,6 +157,25 @@ def _compiled(fraction: float) -> Callable[[Context], Prepared]:
     return prepare
 
 
+def _sac_ilp(fraction: float) -> Callable[[Context], Prepared]:
+    def prepare(ctx: Context) -> Prepared:
+        if ctx.small_inputs is None:
+            raise peers.NotApplicable("not applicable: on the CPU PyTorch's SAC estimator is given op times measured "
+                                      "on real tensors of the main batch, and this model is too large for real steps "
+                                      "(fake tensors only)")
+        start = time.perf_counter()
+        module = peers.sac_ilp_peer(ctx.model, ctx.paper_inputs, ctx.loss_fn, fraction)
+        plan = module.fxplan_sac
+        return Prepared(module, {
+            "budget": f"sac_milp {format_bytes(plan.budget_bytes)} ({fraction:g} of the way from "
+                      f"{format_bytes(plan.smallest_budget_bytes)} to {format_bytes(plan.baseline_peak_bytes)})",
+            "plan_seconds": time.perf_counter() - start, "segments": len(plan.discard),
+            "note": f"{format_count(len(plan.discard), 'checkpointed module')} chosen by torch's sac_milp "
+                    f"({plan.runtime_mode} op times); the real steps run the same decisions at the small batch"})
+
+    return prepare
+
+
 # ----------------------------------------------------------------------------------------------- fxplan
 
 
@@ -257,14 +279,16 @@ def default_methods(
     curve_points: Sequence[float] = DEFAULT_CURVE_POINTS,
     *,
     exact: bool = True,
+    sac_budgets: Sequence[float] = DEFAULT_SAC_BUDGETS,
 ) -> list[Method]:
-    """Vanilla, the peers, fxplan's plan applied to the model's modules and its five rewrites, then extra
-    trade-off points (approx-time and chen at budgets ``curve_points`` of the way from the smallest feasible
-    budget to vanilla's peak)."""
+    """Vanilla, the peers (``sac-ilp`` at each of ``sac_budgets``), fxplan's plan applied to the model's modules and
+    its five rewrites, then extra trade-off points (approx-time and chen at budgets ``curve_points`` of the way from
+    the smallest feasible budget to vanilla's peak)."""
     methods = [Method("vanilla", "baseline", _vanilla),
                Method("checkpoint_sequential", "peer", _checkpoint_sequential),
                Method("hf-checkpointing", "peer", _hf_checkpointing)]
     methods += [Method(f"torch.compile@{f:g}", "peer", _compiled(f)) for f in compile_budgets]
+    methods += [Method(f"sac-ilp@{f:g}", "peer", _sac_ilp(f)) for f in sac_budgets]
     methods.append(Method("auto-checkpoint", "fxplan", _auto_checkpoint))
     for name, (strategy, solver) in FXPLAN_METHODS.items():
         if exact or solver != "exact":
@@ -292,6 +316,6 @@ def select_methods(methods: Sequence[Method], wanted: Sequence[str]) -> list[Met
 
 
 __all__ = [
-    "Context", "DEFAULT_COMPILE_BUDGETS", "DEFAULT_CURVE_POINTS", "FXPLAN_METHODS", "Method", "MethodTimeout",
-    "Prepared", "default_methods", "real_copy", "select_methods", "time_limit",
+    "Context", "DEFAULT_COMPILE_BUDGETS", "DEFAULT_CURVE_POINTS", "DEFAULT_SAC_BUDGETS", "FXPLAN_METHODS", "Method",
+    "MethodTimeout", "Prepared", "default_methods", "real_copy", "select_methods", "time_limit",
 ]

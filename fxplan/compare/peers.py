@@ -1,5 +1,6 @@
-"""The methods fxplan is compared against: vanilla PyTorch, ``checkpoint_sequential``, ``torch.compile``
-and, for Hugging Face transformers, the library's own activation checkpointing.
+"""The methods fxplan is compared against: vanilla PyTorch, ``checkpoint_sequential``, ``torch.compile``,
+PyTorch's automatic selective checkpointing (``torch.distributed._tools.sac_ilp``) and, for Hugging Face
+transformers, the library's own activation checkpointing.
 
 Each peer turns a model into a module that runs one training step its way. Nothing here plans
 anything; :mod:`fxplan.compare.driver` measures what these modules cost.
@@ -24,6 +25,12 @@ anything; :mod:`fxplan.compare.driver` measures what these modules cost.
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) keeps the outputs of convolutions
   and matrix products inside each block and recomputes only the cheap ops between them
   (normalisations, activations, concatenations), as PyTorch's selective activation checkpointing does.
+* **PyTorch's automatic selective checkpointing** (:func:`sac_ilp_peer`): ``torch.distributed._tools``'
+  ``SACEstimator`` (with ``MemTracker`` and ``RuntimeEstimator``) estimates each module's memory, time and per-op
+  trade-off on a fake copy of the model, ``sac_milp`` (a module-level ILP) chooses under a memory budget which modules
+  to checkpoint and what share of each one's activation memory to discard, and
+  ``get_optimal_checkpointing_policy_per_module`` which op outputs each chosen module keeps; those modules then run
+  under ``torch.utils.checkpoint`` with a selective-checkpoint policy (:mod:`fxplan.compare.torch_sac`).
 * **Hugging Face checkpointing**: ``model.activation_checkpointing_enable()`` (in older transformers
   ``gradient_checkpointing_enable()``), what LLM users turn on today: every decoder
   or encoder layer runs under non-reentrant ``torch.utils.checkpoint``, so only the layer inputs are
@@ -390,8 +397,61 @@ def hf_checkpointing_peer(model: nn.Module) -> nn.Module:
     return peer.train(model.training)
 
 
+# ------------------------------------------------------------------ PyTorch's automatic selective checkpointing
+
+
+def sac_ilp_peer(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                 memory_budget_fraction: float = 0.5, *, runtime_mode: str | None = None) -> nn.Module:
+    """A copy of ``model`` checkpointed as PyTorch's automatic selective activation checkpointing chooses for a
+    budget, sharing ``model``'s parameters and buffers (only module objects are copied; ``model`` is left as it is).
+
+    On a fake copy, torch's ``MemTracker``, ``RuntimeEstimator`` and ``SACEstimator`` measure one step
+    (``loss_fn(model(*example_inputs)).backward()``; ``example_inputs`` as :func:`fxplan.measure_step` takes them,
+    ``loss_fn`` by default the sum of the floating-point outputs); ``sac_milp`` chooses the
+    modules to checkpoint and the share of each one's activation memory to discard, and
+    ``get_optimal_checkpointing_policy_per_module`` the op outputs each keeps; each chosen module's forward then runs
+    under non-reentrant ``torch.utils.checkpoint`` with a selective-checkpoint policy that keeps exactly those
+    (:mod:`fxplan.compare.torch_sac` says how op calls are matched). Recomputation is exact (checkpointing replays
+    the forward's random state), so losses and gradients are those of ``model``; a BatchNorm that is recomputed
+    updates its running statistics a second time, as under any ``torch.utils.checkpoint``.
+
+    The budget handed to ``sac_milp`` is ``memory_budget_fraction`` of the way from the smallest budget it finds a
+    plan under (bisection, :func:`fxplan.compare.torch_sac.smallest_budget`) to the unplanned step's peak as torch's
+    ILP models it: 0 is the smallest, 1 the unplanned peak (no checkpointing), as fxplan's own ``approx-time@P``
+    points are placed. The bytes are ``sac_milp``'s memory model, not a measured peak: the peer's measured peak may
+    be above or below its budget.
+
+    ``runtime_mode``: how op times are estimated. torch's ``operator-level-cost-model`` (roofline, the default for a
+    model on an accelerator) and ``operator-level-benchmark`` both need an accelerator in torch 2.14.1 (the first
+    asserts one, the second times with its events) and raise :class:`FxplanError` without one; on the CPU the
+    default is ``cpu-benchmark``, each op timed on the CPU as torch's benchmark mode times it on a GPU. The times
+    steer only which modules and op outputs the ILPs prefer to recompute; the memory model is torch's either way.
+
+    ``peer.fxplan_sac`` is the :class:`fxplan.compare.torch_sac.SACPlan` (``summary()``); each checkpointed
+    module's ``forward`` is a :class:`fxplan.compare.torch_sac.SACForward`. Needs the packages ``pulp`` and ``pwlf``.
+    Raises :class:`FxplanError` where torch's tools cannot model the step (a module with children called twice in one
+    step, an accelerator mode without an accelerator).
+    """
+    from fxplan.capture.capturers import as_call
+    from fxplan.compare import torch_sac
+    from fxplan.measure.meter import default_loss
+
+    if not 0.0 <= memory_budget_fraction <= 1.0:
+        raise FxplanError(f"memory_budget_fraction must be in [0, 1], got {memory_budget_fraction}")
+    mode = runtime_mode or torch_sac.default_runtime_mode(model)
+    stats = torch_sac.collect(model, as_call(example_inputs), loss_fn or default_loss, mode)
+    smallest = torch_sac.smallest_budget(stats)
+    budget = int(smallest + memory_budget_fraction * (stats.baseline_peak_bytes - smallest))
+    plan, decisions = torch_sac.solve(stats, budget, smallest)
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    peer = copy.deepcopy(model, shared)
+    torch_sac.install(peer, decisions)
+    peer.fxplan_sac = plan  # type: ignore[assignment]  # reported beside the peer
+    return peer.train(model.training)
+
+
 __all__ = [
     "CheckpointSequential", "CheckpointedBlock", "CompiledPeer", "NotApplicable", "activation_budget",
     "as_sequential", "block_checkpoint_peer", "block_class", "checkpoint_sequential_peer", "compile_peer",
-    "hf_checkpointing_peer", "vanilla",
+    "hf_checkpointing_peer", "sac_ilp_peer", "vanilla",
 ]
