@@ -49,3 +49,14 @@ def test_stages_import_only_the_stages_below_them():
     upward = sorted({(_stage(a), _stage(b)) for a, b in _imports().edges
                      if ORDER.index(_stage(b)) > ORDER.index(_stage(a))})
     assert upward == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore belongs to its module: another module that needs it gets a public name."""
+    private = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fxplan"):
+                private += [f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}" for alias in node.names
+                            if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not private, private

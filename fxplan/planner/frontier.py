@@ -52,7 +52,7 @@ STEP = 0.01
 FRONTIER_WORK, FRONTIER_MIN = 100_000, 24
 
 #: The grid's solves plan over at most this many lower sets (those whose boundary holds the fewest bytes,
-#: :func:`fxplan.solvers.family_dp._family_run`): at a middle budget a solve's moves grow as the square of the sets
+#: :func:`fxplan.solvers.family_dp.family_run`): at a middle budget a solve's moves grow as the square of the sets
 #: (10,000 sets: 50 million, over the DP's cap). The smallest-peak and memory-centric plans use all.
 FRONTIER_SETS = 1000
 

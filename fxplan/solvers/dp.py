@@ -57,7 +57,7 @@ from fxplan.common import collector
 from fxplan.common.console import format_bytes
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.solvers.costgraph import CostGraph
-from fxplan.solvers.family_dp import _EPS, Context, _family_run, context, forget_context
+from fxplan.solvers.family_dp import EPS, Context, context, family_run, forget_context
 from fxplan.solvers.lowersets import GraphIndex, enumerate_lower_sets, iter_bits
 from fxplan.solvers.memory_model import BoundModel, evaluate_chain
 from fxplan.solvers.plans import Plan
@@ -95,7 +95,7 @@ def _successors(bm: BoundModel, L: int, cap: float) -> Iterator[tuple[int, float
         if not pred[i] & ~L:
             addable |= 1 << i
     stack = [(L, addable, 0, bm.inc_start(L))]
-    lim = cap + _EPS
+    lim = cap + EPS
     while stack:
         cur, ad, lo, st = stack.pop()
         cand = ad >> lo << lo
@@ -149,7 +149,7 @@ def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit:
         cand.sort(key=(lambda s: (-s[0], s[1])) if maximize else (lambda s: (s[0], s[1])))
         front, run = [], inf
         for s in cand:
-            if s[1] < run - _EPS:
+            if s[1] < run - EPS:
                 front.append(s)
                 run = s[1]
         fronts[L] = front
@@ -170,7 +170,7 @@ def _search_dp(bm: BoundModel, objective: str, budget: float | None, time_limit:
             # front: objective ascending (descending for "memory"), cache strictly descending
             for k in range(len(front) - 1, -1, -1):
                 a, m, _ = front[k]
-                if budget is not None and m + Fv > budget + _EPS:
+                if budget is not None and m + Fv > budget + EPS:
                     break  # caches only grow towards the front's start
                 if peak:
                     na = a if a > m + Fv else m + Fv
@@ -264,7 +264,7 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
                 raise _too_big("lower sets", max_states)
             ctx.families.pop("exact")  # too big for this limit; another call may allow more
     if fam is not None:
-        found = _family_run(ctx, fam, objective, budget, max_sets)
+        found = family_run(ctx, fam, objective, budget, max_sets)
         return None if found is None else ([fam.sets[k] for k in found], ctx.chain_costs(fam, found))
     if engine == "auto" and (budget is not None or objective == "peak") and hasattr(ctx.bm, "time_terms"):
         limit = min(COMPILED_FAMILY_LIMIT, max_states or COMPILED_FAMILY_LIMIT)
@@ -274,12 +274,12 @@ def _run(ctx: Context, objective: str, budget: float | None, exact: bool, engine
 
             if objective == "peak":
                 start = _run(ctx, "peak", None, False, engine, time_limit, max_states)[0]
-                found = time_kernel.least_peak_chain(ctx, fam, [fam.sets.index(L) for L in start], _EPS,
+                found = time_kernel.least_peak_chain(ctx, fam, [fam.sets.index(L) for L in start], EPS,
                                                      time_limit)
             elif objective == "memory":
-                found = time_kernel.most_overhead_chain(ctx, fam, budget, _EPS, time_limit)
+                found = time_kernel.most_overhead_chain(ctx, fam, budget, EPS, time_limit)
             else:
-                found = time_kernel.least_overhead_chain(ctx, fam, budget, _EPS, time_limit)
+                found = time_kernel.least_overhead_chain(ctx, fam, budget, EPS, time_limit)
             return None if found is None else ([fam.sets[k] for k in found], ctx.chain_costs(fam, found))
         if fam is None:
             ctx.families.pop("exact")
@@ -295,7 +295,7 @@ def _smallest_budget(ctx: Context, exact: bool, engine: str, time_limit: float |
     found = _run(ctx, "peak", None, exact, engine, time_limit, max_states)
     if found is None:  # cannot happen: the single segment V is always a plan
         raise FxplanError("no plan found")
-    return int(math.ceil(found[1][0] - _EPS))
+    return int(math.ceil(found[1][0] - EPS))
 
 
 @collector.paused()
@@ -326,7 +326,7 @@ def solve(cg: CostGraph, budget_bytes: int | None, *, strategy: str = "time", ex
     ``DEFAULT_TIME_LIMIT``; ``None``: never) or when it would hold more than ``max_states`` lower sets and
     states (default ``DEFAULT_MAX_STATES``, about 1 GB; ``None``: no limit). ``max_sets`` (approximate
     DP, ``strategy="time"``): plan over at most that many sets of the family, the ones whose boundary is
-    cheapest (:func:`fxplan.solvers.family_dp._family_run`): a feasible plan, optimal over those sets only.
+    cheapest (:func:`fxplan.solvers.family_dp.family_run`): a feasible plan, optimal over those sets only.
 
     Raises :class:`BudgetError` (with ``min_feasible_bytes``) when no plan fits the budget.
     """

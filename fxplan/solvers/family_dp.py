@@ -22,7 +22,7 @@ from fxplan.solvers.lowersets import GraphIndex, enumerate_lower_sets
 from fxplan.solvers.memory_model import BoundModel, get_model
 
 COARSE_SETS = 256
-"""The coarse-to-fine passes start from a sub-family of about this many sets (see :func:`_family_run`)."""
+"""The coarse-to-fine passes start from a sub-family of about this many sets (see :func:`family_run`)."""
 
 PRICE_CHUNK = 1 << 19
 """Moves priced at once (bounds the temporary arrays of ``pair_costs``)."""
@@ -30,7 +30,7 @@ PRICE_CHUNK = 1 << 19
 LEVEL_STEP = 8
 """Each coarse-to-fine pass keeps every LEVEL_STEP-th set of the next finer one."""
 
-_EPS = 1e-6
+EPS = 1e-6
 
 PRICED_LIMIT = 20_000_000
 """Priced moves a planning context keeps for later solves (about 0.6 GB); beyond it, only the latest."""
@@ -56,7 +56,7 @@ def _pareto_np(a: np.ndarray, m: np.ndarray, maximize: bool) -> np.ndarray:
     keep = np.ones(len(order), dtype=bool)
     if len(order) > 1:
         run = np.minimum.accumulate(ms)
-        keep[1:] = ms[1:] < run[:-1] - _EPS
+        keep[1:] = ms[1:] < run[:-1] - EPS
     return order[keep]
 
 
@@ -202,7 +202,7 @@ def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, ta
     held = ctx.moves.get(id(fam))
     if held is not None and held[0] >= cap:
         mv = held[1]
-        keep = mv.F <= cap + _EPS
+        keep = mv.F <= cap + EPS
         for sel, ends in ((sources, mv.pi), (targets, mv.pj)):
             if len(sel) < fam.S:
                 mask = np.zeros(fam.S, dtype=bool)
@@ -212,7 +212,7 @@ def _priced_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, ta
     pi, pj = fam.moves(_lb_sums(ctx, fam), cap, sources, targets, ctx.move_limit.get(id(fam), APPROX_MAX_MOVES))
     mv = _Moves(pi, pj, *_price(ctx, fam, pi, pj))
     if np.isfinite(cap):
-        mv = mv.restrict(mv.F <= cap + _EPS)
+        mv = mv.restrict(mv.F <= cap + EPS)
     if len(sources) == len(targets) == fam.S:
         ctx.moves[id(fam)] = (cap, mv)
     return mv
@@ -262,8 +262,8 @@ def _family_dp(fam: Family, sub: np.ndarray, mv: _Moves, objective: str, budget:
     Returns the family indices of L_1..L_k, or None.
     """
     maximize = objective == "memory"
-    lim = None if bound is None else bound + _EPS + 1e-9 * abs(bound)
-    room = None if budget is None or psi is None else budget + _EPS - psi
+    lim = None if bound is None else bound + EPS + 1e-9 * abs(bound)
+    room = None if budget is None or psi is None else budget + EPS - psi
     cap = 1024
     a = np.zeros(cap)
     m = np.zeros(cap)
@@ -292,7 +292,7 @@ def _family_dp(fam: Family, sub: np.ndarray, mv: _Moves, objective: str, budget:
         nm = mi + G[rep]
         ok = None
         if budget is not None:
-            ok = mi + F[rep] <= budget + _EPS
+            ok = mi + F[rep] <= budget + EPS
         if room is not None:
             ok = ok & (nm <= room[j])
         na = a[idx] + H[rep]
@@ -409,7 +409,7 @@ def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, t
     """
     tg = targets[targets != 0]
     first = _priced_moves(ctx, fam, cap, np.zeros(1, dtype=np.int64), tg)  # from ∅, only moves that can fit
-    first = first.restrict(first.H <= hsum[first.pj] + _EPS + 1e-9 * np.abs(hsum[first.pj]))
+    first = first.restrict(first.H <= hsum[first.pj] + EPS + 1e-9 * np.abs(hsum[first.pj]))
     unsettled = np.setdiff1d(tg, first.pj)
     held = ctx.moves.get(id(fam))
     if most is not None and (held is None or held[0] < cap) \
@@ -423,7 +423,7 @@ def _settled_moves(ctx: Context, fam: Family, cap: float, sources: np.ndarray, t
     return both.restrict(np.lexsort((both.pi, both.pj)))
 
 
-def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
+def family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
                 max_sets: int | None = None) -> list[int] | None:
     """One DP over ``fam``: "peak" by :func:`_min_peak_chain`, "memory" and "time" by :func:`_family_dp`, or
     "time" at a budget by :mod:`fxplan.solvers.time_kernel` where the model allows and a pass would list more than
@@ -462,7 +462,7 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
     for sub in levels:
         sources = targets = sub
         if np.isfinite(bound):
-            live = hsum[sub] <= bound + _EPS + 1e-9 * bound
+            live = hsum[sub] <= bound + EPS + 1e-9 * bound
             sources, targets = sub[live], sub[live | (sub == S - 1)]
         if objective == "time":
             kernel = budget is not None and max_sets is None and hasattr(ctx.bm, "time_terms")
@@ -470,7 +470,7 @@ def _family_run(ctx: Context, fam: Family, objective: str, budget: float | None,
             if mv is None:
                 from fxplan.solvers.time_kernel import least_overhead_chain  # numba: imported when first needed
 
-                return least_overhead_chain(ctx, fam, budget, _EPS)
+                return least_overhead_chain(ctx, fam, budget, EPS)
         else:
             mv = _priced_moves(ctx, fam, cap, sources, targets)
         psi = None

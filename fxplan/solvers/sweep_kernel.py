@@ -20,7 +20,7 @@ from numba import njit
 
 
 @njit(cache=True, error_model="numpy", inline="always")
-def _member(bits: np.ndarray, s: int, v: int) -> bool:
+def bit_member(bits: np.ndarray, s: int, v: int) -> bool:
     return (bits[s, v >> 3] >> (v & 7)) & 1 == 1
 
 
@@ -44,15 +44,15 @@ def segment_peaks(pi, pj, bits, first_out, last_in, bd_ptr, bd_node, seg_ptr, se
         for t in range(bd_ptr[j], bd_ptr[j + 1]):
             u = bd_node[t]
             end_of[u] = k + 1
-            if _member(bits, i, u):
+            if bit_member(bits, i, u):
                 const += M[u]
         for v in range(lo, hi + 1):
-            if not _member(bits, j, v) or _member(bits, i, v):
+            if not bit_member(bits, j, v) or bit_member(bits, i, v):
                 continue
             if end_of[v] == k + 1:  # an end of L': kept until its first saver inside L', gradient from the start
                 for s in range(sv_ptr[v], sv_ptr[v + 1]):
                     w = sv_node[s]
-                    if _member(bits, j, w):
+                    if bit_member(bits, j, w):
                         delta[w - lo] += M[v]
                         break
                 delta[v - lo] += sx[v] + M[v]
@@ -74,7 +74,7 @@ def segment_peaks(pi, pj, bits, first_out, last_in, bd_ptr, bd_node, seg_ptr, se
         live, best = below, -np.inf
         for v in range(lo, hi + 1):
             live += delta[v - lo]
-            if _member(bits, j, v) and not _member(bits, i, v):
+            if bit_member(bits, j, v) and not bit_member(bits, i, v):
                 best = max(best, live + const + alloc[v])
         out[k] = best
     return out

@@ -32,7 +32,7 @@ from numba import njit
 
 from fxplan.errors import FxplanError
 from fxplan.solvers.family import Family
-from fxplan.solvers.sweep_kernel import _member
+from fxplan.solvers.sweep_kernel import bit_member
 
 CHUNK = 4096
 """Sets planned per compiled call; the time limit is checked between calls."""
@@ -52,7 +52,7 @@ def _move(i, j, bits, size, first_out, last_in, oe_ptr, oe_u, oe_w, oe_saver, in
         u = oe_u[t]
         stays, read, saved = False, False, False
         while t < end and oe_u[t] == u:
-            if _member(bits, j, oe_w[t]):
+            if bit_member(bits, j, oe_w[t]):
                 read = True
                 saved = saved or oe_saver[t]
             else:
@@ -118,7 +118,7 @@ def _time_dp(budget, eps, tol, W, by_w, rank_w, size, bits, first_out, last_in, 
                         continue
                     subset = True
                     for t in range(mx_ptr[i], mx_ptr[i + 1]):
-                        if not _member(bits, j, mx_node[t]):
+                        if not bit_member(bits, j, mx_node[t]):
                             subset = False
                             break
                     if not subset:
