@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 import torch
+from tiny_models import hf_loss, tiny_gpt2, token_batch, train_step
 from torch import nn
 
 import fxplan
@@ -16,31 +17,13 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as every bitwise comparison of the suite runs
 
 
-def _tiny_gpt2(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64, use_cache=False)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _loss(output):
-    return output.loss
-
-
-def _step(model: nn.Module, batch: dict, seed: int = 1):
-    torch.manual_seed(seed)  # the same dropout masks for both models
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
 @pytest.fixture(scope="module")
 def planned_gpt2():
     """A tiny GPT-2 planned at its smallest peak, beside an unplanned copy."""
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}
-    result = fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss)
+    batch = token_batch()
+    result = fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=hf_loss)
     return result, model, reference, batch
 
 
@@ -57,31 +40,31 @@ def test_returns_the_model_itself_with_its_class_names_and_signature(planned_gpt
 def test_steps_are_bitwise_equal_and_the_peak_is_lower(planned_gpt2):
     _, model, reference, batch = planned_gpt2
     for seed in (1, 2):  # two steps: dropout draws, gradients accumulated
-        loss, grads = _step(model, batch, seed)
-        ref_loss, ref_grads = _step(reference, batch, seed)
+        loss, grads = train_step(model, batch, seed)
+        ref_loss, ref_grads = train_step(reference, batch, seed)
         assert torch.equal(loss, ref_loss)
         assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
     plan = model.fxplan_plan
-    real = fxplan.measure_step(model, batch, loss_fn=_loss).peak_bytes
-    unplanned = fxplan.measure_step(reference, batch, loss_fn=_loss).peak_bytes
+    real = fxplan.measure_step(model, batch, loss_fn=hf_loss).peak_bytes
+    unplanned = fxplan.measure_step(reference, batch, loss_fn=hf_loss).peak_bytes
     assert real < unplanned
     assert real <= plan.measured_peak_bytes  # the real step peaks where the fake one said
     assert plan.vanilla_peak_bytes == unplanned
 
 
 def test_a_budget_is_held_or_refused_with_the_smallest_peak():
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
-    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
+    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=hf_loss).peak_bytes
     budget = int(0.85 * vanilla)
-    fxplan.auto_checkpoint(model, budget_bytes=budget, example_inputs=batch, loss_fn=_loss)
+    fxplan.auto_checkpoint(model, budget_bytes=budget, example_inputs=batch, loss_fn=hf_loss)
     assert model.fxplan_plan.measured_peak_bytes <= budget
-    assert fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes <= budget
+    assert fxplan.measure_step(model, batch, fake=True, loss_fn=hf_loss).peak_bytes <= budget
     with pytest.raises(fxplan.BudgetError) as refused:
-        fxplan.auto_checkpoint(_tiny_gpt2(), budget_bytes=vanilla // 10, example_inputs=batch, loss_fn=_loss)
+        fxplan.auto_checkpoint(tiny_gpt2(), budget_bytes=vanilla // 10, example_inputs=batch, loss_fn=hf_loss)
     smallest = refused.value.min_feasible_bytes
     assert smallest is not None and vanilla // 10 < smallest < vanilla
 
@@ -90,8 +73,8 @@ def test_plan_comes_off_and_goes_on_again_through_json(planned_gpt2):
     _, model, _, batch = planned_gpt2
     plan = model.fxplan_plan
     text = plan.to_json()
-    fresh = _tiny_gpt2(seed=3)
-    fxplan.auto_checkpoint(fresh, example_inputs=batch, loss_fn=_loss, plan=fxplan.AppliedPlan.from_json(text))
+    fresh = tiny_gpt2(seed=3)
+    fxplan.auto_checkpoint(fresh, example_inputs=batch, loss_fn=hf_loss, plan=fxplan.AppliedPlan.from_json(text))
     assert [r.path for r in fresh.fxplan_plan.regions] == [r.path for r in plan.regions]
     assert fresh.fxplan_plan.measured_peak_bytes == plan.measured_peak_bytes
     fxplan.remove_checkpoints(fresh)
@@ -164,7 +147,7 @@ def _tiny_llama(seed: int = 0) -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-@pytest.mark.parametrize("make", [_tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("make", [tiny_gpt2, _tiny_llama], ids=["gpt2", "llama"])
 def test_trainer_with_default_arguments_trains_the_planned_model_within_its_budget(make, tmp_path):
     """Trainer keeps the dataset's columns (the signature is the model's), its losses are the unplanned
     model's, a real step of the trained model peaks within the budget, and save_model / from_pretrained round
@@ -183,14 +166,14 @@ def test_trainer_with_default_arguments_trains_the_planned_model_within_its_budg
 
     planned = make()
     batch = {"input_ids": ids[:4], "labels": ids[:4]}
-    budget = int(0.7 * fxplan.measure_step(planned, batch, fake=True, loss_fn=_loss).peak_bytes)
-    fxplan.auto_checkpoint(planned, budget_bytes=budget, example_inputs=batch, loss_fn=_loss)
+    budget = int(0.7 * fxplan.measure_step(planned, batch, fake=True, loss_fn=hf_loss).peak_bytes)
+    fxplan.auto_checkpoint(planned, budget_bytes=budget, example_inputs=batch, loss_fn=hf_loss)
     assert planned.fxplan_plan.regions
     losses, trainer = train(planned, tmp_path / "planned")
     reference, _ = train(make(), tmp_path / "reference")
     assert len(losses) == 3 and losses == reference
     planned.zero_grad(set_to_none=True)
-    assert fxplan.measure_step(planned, batch, loss_fn=_loss).peak_bytes <= budget  # a real step, profiled
+    assert fxplan.measure_step(planned, batch, loss_fn=hf_loss).peak_bytes <= budget  # a real step, profiled
     trainer.save_model(str(tmp_path / "saved"))
     loaded = type(planned).from_pretrained(str(tmp_path / "saved"))
     for (name, a), (_, b) in zip(planned.state_dict().items(), loaded.state_dict().items()):

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 from dist_helpers import assert_ranks_agree
+from tiny_models import hf_loss, tiny_gpt2, token_batch
 
 import fxplan
 from fxplan.errors import FxplanError
@@ -22,15 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def _gpt2_and_batch(batch_size: int = 4):
-    torch.manual_seed(0)  # the same weights on every rank
-    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64,
-                                     use_cache=False)
-    ids = torch.randint(0, 1000, (batch_size, 64), generator=torch.Generator().manual_seed(0))
-    return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
-
-
-def _loss(output):
-    return output.loss
+    return tiny_gpt2(), token_batch(batch_size)  # the same weights on every rank
 
 
 def _shard_per_layer(model) -> None:
@@ -45,14 +38,14 @@ def _shard_per_layer(model) -> None:
 def _check_per_layer_fsdp2(rank: int) -> list[str]:
     model, batch = _gpt2_and_batch()
     reference = copy.deepcopy(model)
-    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
+    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=hf_loss).peak_bytes
     # The budget is of the unsharded step; a rank holds a shard of the parameters and FSDP2's buffers instead
-    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss, budget_bytes=int(0.7 * vanilla))
+    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=hf_loss, budget_bytes=int(0.7 * vanilla))
     mismatches = [] if model.fxplan_plan.regions else ["no region planned"]
     for module in (reference, model):
         _shard_per_layer(module)
     try:
-        fxplan.auto_checkpoint(reference, example_inputs=batch, loss_fn=_loss)
+        fxplan.auto_checkpoint(reference, example_inputs=batch, loss_fn=hf_loss)
         mismatches.append("a sharded model was planned")
     except FxplanError as exc:
         if "before fully_shard" not in str(exc):
@@ -67,7 +60,7 @@ def _check_per_layer_fsdp2(rank: int) -> list[str]:
             losses.append(loss.detach())
         module.zero_grad(set_to_none=True)
         torch.manual_seed(rank)
-        peaks.append(profiled_step_peak(module, batch, _loss))
+        peaks.append(profiled_step_peak(module, batch, hf_loss))
     if not all(torch.equal(a, b) for a, b in zip(losses[:2], losses[2:])):
         mismatches.append("loss")
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
@@ -89,11 +82,11 @@ def _check_ddp(rank: int) -> list[str]:
 
     model, batch = _gpt2_and_batch()
     reference = copy.deepcopy(model)
-    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
-    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss, budget_bytes=int(0.7 * vanilla))
+    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=hf_loss).peak_bytes
+    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=hf_loss, budget_bytes=int(0.7 * vanilla))
     mismatches = [] if model.fxplan_plan.regions else ["no region planned"]
     try:
-        fxplan.auto_checkpoint(DDP(reference), example_inputs=batch, loss_fn=_loss)
+        fxplan.auto_checkpoint(DDP(reference), example_inputs=batch, loss_fn=hf_loss)
         mismatches.append("a DDP-wrapped model was planned")
     except FxplanError as exc:
         if "before wrapping" not in str(exc):
@@ -129,8 +122,8 @@ def planned_and_reference():
         setattr(model.config, dropout, 0.0)
     model = type(model)(model.config)
     reference = copy.deepcopy(model)
-    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
-    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss, budget_bytes=int(0.7 * vanilla))
+    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=hf_loss).peak_bytes
+    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=hf_loss, budget_bytes=int(0.7 * vanilla))
     assert model.fxplan_plan.regions
     return model, reference, batch
 
@@ -164,10 +157,10 @@ def test_a_compiled_module_is_measured_compiled_and_planned_only_before_compilin
     torch._dynamo.reset()
     compiled = torch.compile(reference, backend="aot_eager")
     with pytest.raises(FxplanError, match="then compile"):
-        fxplan.auto_checkpoint(compiled, example_inputs=batch, loss_fn=_loss)
+        fxplan.auto_checkpoint(compiled, example_inputs=batch, loss_fn=hf_loss)
     with pytest.raises(FxplanError, match="fake=False"):
-        fxplan.measure_step(compiled, batch, fake=True, loss_fn=_loss)
-    measured = fxplan.measure_step(compiled, batch, loss_fn=_loss)
+        fxplan.measure_step(compiled, batch, fake=True, loss_fn=hf_loss)
+    measured = fxplan.measure_step(compiled, batch, loss_fn=hf_loss)
     assert "compiled" in measured.meter
     parameter_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     assert measured.peak_bytes > 2 * parameter_bytes  # parameters and the gradients the step makes, at least
@@ -178,7 +171,7 @@ def _inductor_peak(model, batch, **compile_config) -> int:
 
     torch._dynamo.reset()
     with functorch_config.patch(**compile_config):
-        peak = fxplan.measure_step(torch.compile(model, backend="inductor"), batch, loss_fn=_loss).peak_bytes
+        peak = fxplan.measure_step(torch.compile(model, backend="inductor"), batch, loss_fn=hf_loss).peak_bytes
     torch._dynamo.reset()
     return peak
 
@@ -194,7 +187,7 @@ def test_under_inductor_a_budget_below_what_compile_reaches_alone_is_held():
     compile_alone = _inductor_peak(model, batch, activation_memory_budget=0.5)
     budget = int(0.95 * compile_alone)
     planned = copy.deepcopy(model)
-    fxplan.auto_checkpoint(planned, budget_bytes=budget, example_inputs=batch, loss_fn=_loss,
+    fxplan.auto_checkpoint(planned, budget_bytes=budget, example_inputs=batch, loss_fn=hf_loss,
                            compile_backend="inductor")
     plan = planned.fxplan_plan
     assert plan.regions and plan.compile_backend == "inductor" and plan.measured_peak_bytes <= budget
@@ -208,7 +201,7 @@ def test_under_inductor_a_budget_below_what_compile_reaches_alone_is_held():
         from torch._subclasses.fake_tensor import FakeTensorMode
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = {k: mode.from_tensor(v) for k, v in batch.items()}
-        fxplan.auto_checkpoint(copy.deepcopy(model), example_inputs=fake, loss_fn=_loss, compile_backend="inductor")
+        fxplan.auto_checkpoint(copy.deepcopy(model), example_inputs=fake, loss_fn=hf_loss, compile_backend="inductor")
 
 
 def test_a_peft_lora_model_is_planned_and_trains_exactly():
@@ -217,7 +210,7 @@ def test_a_peft_lora_model_is_planned_and_trains_exactly():
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.1,
                                                        fan_in_fan_out=True))
     reference = copy.deepcopy(model)
-    assert fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss) is model
+    assert fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=hf_loss) is model
     assert model.fxplan_plan.measured_peak_bytes < model.fxplan_plan.vanilla_peak_bytes
     for seed in (1, 2):  # LoRA dropout draws, gradients accumulated
         results = []
@@ -240,8 +233,8 @@ def test_a_llama_planned_and_trained_under_bf16_autocast_is_exact():
     ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=_loss).peak_bytes
-        fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=_loss, budget_bytes=int(0.85 * vanilla))
+        vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=hf_loss).peak_bytes
+        fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=hf_loss, budget_bytes=int(0.85 * vanilla))
     assert model.fxplan_plan.regions and model.fxplan_plan.measured_peak_bytes <= 0.85 * vanilla
     for seed in (1, 2):
         losses = []

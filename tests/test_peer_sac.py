@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from tiny_models import hf_loss, tiny_gpt2, token_batch, train_step
 from torch import nn
 
 import fxplan
@@ -20,31 +21,13 @@ pytest.importorskip("pwlf")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # as every bitwise comparison of the suite runs
 
 
-def _tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=64, use_cache=False)
-    return transformers.GPT2LMHeadModel(config)
-
-
-def _loss(output):
-    return output.loss
-
-
-def _step(model: nn.Module, batch: dict, seed: int):
-    torch.manual_seed(seed)  # the same dropout masks for both models
-    loss = model(**batch).loss
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
 @pytest.fixture(scope="module")
 def gpt2_peer():
     """A tiny GPT-2 (dropout on), its sac-ilp peer at 0.5, an unplanned copy, and the batch."""
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     reference = copy.deepcopy(model)
-    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}
-    peer = peers.sac_ilp_peer(model, batch, _loss, 0.5)
+    batch = token_batch()
+    peer = peers.sac_ilp_peer(model, batch, hf_loss, 0.5)
     return peer, model, reference, batch
 
 
@@ -54,15 +37,15 @@ def test_gpt2_peer_is_bitwise_exact_and_peaks_lower(gpt2_peer):
     assert plan.discard, "at 0.5 torch's sac_milp checkpoints some modules"
     assert plan.smallest_budget_bytes < plan.budget_bytes < plan.baseline_peak_bytes
     for seed in (1, 2):  # two steps: other dropout masks, gradients accumulated
-        loss, grads = _step(peer, batch, seed)
-        ref_loss, ref_grads = _step(reference, batch, seed)
+        loss, grads = train_step(peer, batch, seed)
+        ref_loss, ref_grads = train_step(reference, batch, seed)
         assert torch.equal(loss, ref_loss)
         assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
     peer.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
-    unplanned = fxplan.measure_step(reference, batch, fake=True, loss_fn=_loss).peak_bytes
-    fake = fxplan.measure_step(peer, batch, fake=True, loss_fn=_loss).peak_bytes
-    real = fxplan.measure_step(peer, batch, loss_fn=_loss).peak_bytes
+    unplanned = fxplan.measure_step(reference, batch, fake=True, loss_fn=hf_loss).peak_bytes
+    fake = fxplan.measure_step(peer, batch, fake=True, loss_fn=hf_loss).peak_bytes
+    real = fxplan.measure_step(peer, batch, loss_fn=hf_loss).peak_bytes
     assert fake < unplanned and real < unplanned
 
 
@@ -76,9 +59,9 @@ def test_gpt2_peer_checkpoints_the_chosen_modules_of_a_copy(gpt2_peer):
 
 
 def test_budgets_are_placed_between_the_smallest_and_the_unplanned_peak():
-    model = _tiny_gpt2()
+    model = tiny_gpt2()
     ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(0))
-    stats = torch_sac.collect(model, as_call({"input_ids": ids, "labels": ids}), _loss, torch_sac.CPU_BENCHMARK)
+    stats = torch_sac.collect(model, as_call({"input_ids": ids, "labels": ids}), hf_loss, torch_sac.CPU_BENCHMARK)
     smallest = torch_sac.smallest_budget(stats)
     assert 2 * stats.parameter_bytes < smallest < stats.baseline_peak_bytes
     plan, decisions = torch_sac.solve(stats, smallest, smallest)
