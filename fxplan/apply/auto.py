@@ -4,7 +4,8 @@ The planner's candidates (:class:`~fxplan.planner.variants.Searches`, the search
 plans of the captured graph; each is carried onto the model as checkpointed regions with per-op decisions
 (:mod:`fxplan.apply.regions`), and the model so applied is measured on fake tensors (one step, exact). The search
 starts from the rewrite's plan for the budget and, while the applied plan measures above the budget, asks the
-planner for the plan of a budget lowered by the excess, down to the planner's smallest: what a plan loses in
+planner for the plan of a budget lowered by the excess (twice as far again where the planner answers with a
+plan measured already), down to the planner's smallest: what a plan loses in
 the mapping is measured, never assumed. The answer is the first that fits; a :class:`~fxplan.errors.BudgetError`
 names the smallest peak measured. Plans are kept per model class, input shapes and settings in this process, so
 a second model of the same class and shapes is applied without planning again.
@@ -197,7 +198,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     logger.info("fxplan: traced %s (%d nodes) in %.1f s; applying plans to its modules", type(model).__name__,
                 cg.number_of_nodes(), time.perf_counter() - t0)
     best: AppliedPlan | None = None
-    target, tried = budget, set()
+    target, tried, lowered = budget, set(), 0
     for attempt in range(MAX_TRIES):
         try:
             choice = searches.choose(target, strategy, report_smallest=False)
@@ -208,8 +209,12 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             continue
         graph_plan = choice.variant.result(choice.candidate, target).fxplan_plan
         signature = (tuple(map(tuple, graph_plan.segments)), tuple(graph_plan.regions or ()))
-        if signature in tried:
-            break
+        if signature in tried:  # the planner's plan for a lower budget is one measured already: lower further
+            if target is None or not lowered:
+                break
+            lowered *= 2
+            target -= lowered
+            continue
         tried.add(signature)
         made = [_applied(model, call, cg, ops, graph_plan, regions_for(
             graph_plan, ops, captured.gm, tree, regionable, mapping=mapping, blocks=blocks), vanilla, budget,
@@ -231,7 +236,8 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             best = applied
         if budget is not None and applied.measured_peak_bytes <= budget or target is None:
             break
-        target = target - (applied.measured_peak_bytes - budget)
+        lowered = applied.measured_peak_bytes - budget
+        target -= lowered
     if best is None or best.measured_peak_bytes >= vanilla:
         logger.info("fxplan: no plan applied to %s's modules %s; the model is left as it is (fxplan.rewrite "
                     "plans it without the modules' boundaries)", type(model).__name__,
