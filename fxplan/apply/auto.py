@@ -5,7 +5,7 @@ plans of the captured graph; each is carried onto the model as checkpointed regi
 (:mod:`fxplan.apply.regions`), and the model so applied is measured on fake tensors (one step, exact). The search
 starts from the rewrite's plan for the budget and, while the applied plan measures above the budget, asks the
 planner for the plan of a budget lowered by the excess (twice as far again where the planner answers with a
-plan measured already), down to the planner's smallest: what a plan loses in
+plan measured already), down to the planner's smallest, which the last try takes if none fitted: what a plan loses in
 the mapping is measured, never assumed. The answer is the first that fits; a :class:`~fxplan.errors.BudgetError`
 names the smallest peak measured. Plans are kept per model class, input shapes and settings in this process, so
 a second model of the same class and shapes is applied without planning again.
@@ -198,22 +198,24 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     logger.info("fxplan: traced %s (%d nodes) in %.1f s; applying plans to its modules", type(model).__name__,
                 cg.number_of_nodes(), time.perf_counter() - t0)
     best: AppliedPlan | None = None
-    target, tried, lowered = budget, set(), 0
+    target, tried, lowered, smallest_tried = budget, set(), 0, False
     for attempt in range(MAX_TRIES):
+        if attempt == MAX_TRIES - 1:
+            target = None  # the last try, if none fitted: the planner's smallest plan
+        if target is None:
+            if smallest_tried:
+                break
+            smallest_tried = True
         try:
             choice = searches.choose(target, strategy, report_smallest=False)
-        except BudgetError:
-            if target is None or best is not None and best.budget_bytes is None:
-                break
-            target = None  # below the planner's smallest: try the smallest itself
+        except BudgetError:  # below the planner's smallest: try the smallest itself
+            target = None
             continue
         graph_plan = choice.variant.result(choice.candidate, target).fxplan_plan
         signature = (tuple(map(tuple, graph_plan.segments)), tuple(graph_plan.regions or ()))
         if signature in tried:  # the planner's plan for a lower budget is one measured already: lower further
-            if target is None or not lowered:
-                break
             lowered *= 2
-            target -= lowered
+            target = target - lowered if target is not None and lowered else None
             continue
         tried.add(signature)
         made = [_applied(model, call, cg, ops, graph_plan, regions_for(
@@ -223,8 +225,6 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
         if compile_backend is not None:
             made = _measured_compiled(model, call, made, loss_fn, compile_backend)
         if not made:  # no mapping trains: try the smallest plan, which maps otherwise
-            if target is None:
-                break
             target = None
             continue
         applied = min(made, key=lambda a: (a.measured_peak_bytes, a.recompute_fraction))
@@ -234,10 +234,11 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
                     "the smallest" if target is None else format_bytes(target))
         if best is None or _better(applied, best, budget):
             best = applied
-        if budget is not None and applied.measured_peak_bytes <= budget or target is None:
+        if budget is None or applied.measured_peak_bytes <= budget:
             break
-        lowered = applied.measured_peak_bytes - budget
-        target -= lowered
+        if target is not None:
+            lowered = applied.measured_peak_bytes - budget
+            target -= lowered
     if best is None or best.measured_peak_bytes >= vanilla:
         logger.info("fxplan: no plan applied to %s's modules %s; the model is left as it is (fxplan.rewrite "
                     "plans it without the modules' boundaries)", type(model).__name__,
