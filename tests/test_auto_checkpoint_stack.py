@@ -35,13 +35,18 @@ def _shard_per_layer(model) -> None:
     fully_shard(model)
 
 
-def _check_per_layer_fsdp2(rank: int) -> list[str]:
+def _planned_at_07():
+    """A tiny GPT-2 planned at 0.7 of its unplanned peak, an unplanned copy, the batch, and what went wrong so far."""
     model, batch = _gpt2_and_batch()
     reference = copy.deepcopy(model)
     vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=hf_loss).peak_bytes
-    # The budget is of the unsharded step; a rank holds a shard of the parameters and FSDP2's buffers instead
     fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=hf_loss, budget_bytes=int(0.7 * vanilla))
-    mismatches = [] if model.fxplan_plan.regions else ["no region planned"]
+    return model, reference, batch, [] if model.fxplan_plan.regions else ["no region planned"]
+
+
+def _check_per_layer_fsdp2(rank: int) -> list[str]:
+    # The budget is of the unsharded step; a rank holds a shard of the parameters and FSDP2's buffers instead
+    model, reference, batch, mismatches = _planned_at_07()
     for module in (reference, model):
         _shard_per_layer(module)
     try:
@@ -80,11 +85,7 @@ def test_planned_then_sharded_per_layer_trains_exactly_with_a_lower_rank_peak():
 def _check_ddp(rank: int) -> list[str]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model, batch = _gpt2_and_batch()
-    reference = copy.deepcopy(model)
-    vanilla = fxplan.measure_step(model, batch, fake=True, loss_fn=hf_loss).peak_bytes
-    fxplan.auto_checkpoint(model, example_inputs=batch, loss_fn=hf_loss, budget_bytes=int(0.7 * vanilla))
-    mismatches = [] if model.fxplan_plan.regions else ["no region planned"]
+    model, reference, batch, mismatches = _planned_at_07()
     try:
         fxplan.auto_checkpoint(DDP(reference), example_inputs=batch, loss_fn=hf_loss)
         mismatches.append("a DDP-wrapped model was planned")

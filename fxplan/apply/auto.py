@@ -276,10 +276,10 @@ def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, grap
 def _measured_compiled(model: torch.nn.Module, call: ExampleCall, made: list[AppliedPlan],
                        loss_fn: Callable[[Any], torch.Tensor] | None, backend: str) -> list[AppliedPlan]:
     """``made`` with each plan's peak that of its compiled step; mappings with the same regions are compiled once."""
-    peaks: dict[str, int] = {}
+    peaks: dict[tuple[RegionPlan, ...], int] = {}
     out = []
     for applied in made:
-        key = json.dumps([r.to_dict() for r in applied.regions])
+        key = tuple(applied.regions)
         if key not in peaks:
             peaks[key] = _compiled_peak(model, call, applied.regions, loss_fn, backend)
         out.append(replace(applied, measured_peak_bytes=peaks[key], compile_backend=backend))
