@@ -1,10 +1,12 @@
 """The live-storage meter: exact on hand-computed allocations, real == fake, agrees with the profiler."""
 
+import pytest
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxplan.capture.fakes import fake_copy
+from fxplan.errors import FxplanError
 from fxplan.measure import scratch
 from fxplan.measure.meter import measure_fake, measure_step, measure_step_profiler, track_memory
 
@@ -42,6 +44,30 @@ def test_tracker_counts_existing_tensors_once():
         y = x + 1
         del y
     assert t.peak_bytes == 800
+
+
+def test_tracker_follows_storages_resized_in_place():
+    # FSDP2 frees a layer's gathered parameters with storage.resize_(0) and grows them again before the layer runs
+    held = torch.empty(500)  # made before tracking, as FSDP2 makes its unsharded parameters when it shards
+    held.untyped_storage().resize_(0)
+    with scratch.not_counted(), track_memory() as t:
+        a = torch.empty(1000)
+        a.untyped_storage().resize_(0)
+        assert t.current_bytes == 0
+        a.untyped_storage().resize_(4000)
+        held.untyped_storage().resize_(2000)  # not tracked until it grows
+        assert t.current_bytes == 6000
+        assert t.peak_breakdown["gathered parameters"] == 2000
+        held.untyped_storage().resize_(0)
+        del a
+        assert t.current_bytes == 0
+    assert t.peak_bytes == 6000
+    assert "resize_" not in vars(torch.UntypedStorage)  # put back on the way out
+
+
+def test_a_sharded_step_needs_the_process_group_and_the_unsharded_module():
+    with pytest.raises(FxplanError, match="init_process_group"):
+        measure_step(small_cnn(), torch.randn(2, 3, 16, 16), fake=True, shard=lambda m: None)
 
 
 def test_fake_and_real_agree_to_the_byte():

@@ -27,7 +27,7 @@ from fxplan.apply.op_map import node_ops
 from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for
 from fxplan.capture.capturers import ExampleCall, as_call
 from fxplan.capture.fakes import caches_kept_real, has_fake
-from fxplan.capture.guards import is_compiled
+from fxplan.capture.guards import is_compiled, is_sharded
 from fxplan.common import collector
 from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.trace import trace
@@ -58,6 +58,7 @@ class AppliedPlan:
     graph_plan: Plan | None = field(default=None, repr=False)  # the planner's plan it carries (not saved)
     recompute_fraction: float = 0.0  # of one forward pass's cost, as the cost graph prices the recomputed nodes
     compile_backend: str | None = None  # the torch.compile backend its peaks were measured under, if any
+    per_rank: bool = False  # its peaks are of one rank of a sharded run (auto_checkpoint's shard=)
 
     def summary(self) -> str:
         saved = sum(r.saved_calls for r in self.regions)
@@ -65,6 +66,8 @@ class AppliedPlan:
         budget = "the smallest peak" if self.budget_bytes is None else f"a budget of {format_bytes(self.budget_bytes)}"
         meter = ("fake tensors, exact" if self.compile_backend is None else
                  f"a real step compiled with torch.compile(backend={self.compile_backend!r})")
+        if self.per_rank:
+            meter += ", one rank of the model sharded by shard="
         lines = [
             f"fxplan plan applied to {self.model_class} for {budget} (input shapes {self.input_shapes})",
             f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
@@ -85,6 +88,7 @@ class AppliedPlan:
             "regions": [r.to_dict() for r in self.regions], "measured_peak_bytes": self.measured_peak_bytes,
             "vanilla_peak_bytes": self.vanilla_peak_bytes, "budget_bytes": self.budget_bytes,
             "recompute_fraction": self.recompute_fraction, "compile_backend": self.compile_backend,
+            "per_rank": self.per_rank,
         })
 
     @staticmethod
@@ -93,7 +97,7 @@ class AppliedPlan:
         return AppliedPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
                            d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
                            recompute_fraction=d.get("recompute_fraction", 0.0),
-                           compile_backend=d.get("compile_backend"))
+                           compile_backend=d.get("compile_backend"), per_rank=d.get("per_rank", False))
 
 
 @caches_kept_real()
@@ -109,6 +113,7 @@ def auto_checkpoint(
     solver: str = "approx",
     plan: AppliedPlan | None = None,
     compile_backend: str | None = None,
+    shard: Callable[[torch.nn.Module], Any] | None = None,
 ) -> torch.nn.Module:
     """Plan ``model`` for a budget and apply the plan to its own modules; returns ``model`` itself.
 
@@ -128,6 +133,13 @@ def auto_checkpoint(
     before each, so other compiled functions of the process compile again at their next call). Compile
     frees and fuses what eager code keeps, so a plan's compiled step often peaks well below its eager one.
 
+    ``shard`` is the training script's function that shards a module in place (FSDP2's ``fully_shard`` on each
+    layer, then on the root): the budget is then per rank, and every step is measured as
+    :func:`fxplan.measure_step` measures with ``shard``, on a fake copy sharded by it, with the parameters and
+    gradients as FSDP2 holds them (shards, and each layer's gathered while it runs). ``example_inputs`` is one
+    rank's batch. Call it on every rank after ``init_process_group`` and before sharding the model itself; the
+    planning exchanges nothing between ranks.
+
     Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the smallest peak measured.
     """
     if not isinstance(model, torch.nn.Module):
@@ -138,16 +150,21 @@ def auto_checkpoint(
     call = as_call(example_inputs)
     remove_checkpoints(model)
     shapes = _shapes(call)
-    key = (type(model).__qualname__, shapes, budget, strategy, solver, loss_fn, compile_backend)
+    key = (type(model).__qualname__, shapes, budget, strategy, solver, loss_fn, compile_backend, shard)
     if plan is None and key in _KEPT and _same_structure(model, _KEPT[key]):
         plan = _KEPT[key]
         logger.info("fxplan: applying the plan made for another %s of these shapes", type(model).__name__)
+    if plan is not None and compile_backend is None and shard is None:
+        compile_backend = plan.compile_backend  # a plan made for compiled steps is measured compiled (real inputs)
+    if compile_backend is not None and shard is not None:
+        raise FxplanError("compile_backend and shard cannot be used together yet: fxplan measures compiled steps "
+                          "unsharded; plan with shard= for the per-rank budget of the eager step")
+    meter = _Meter(loss_fn, None if has_fake(model, (call.args, call.kwargs)) else compile_backend, shard)
     if plan is not None:
-        return _apply_given(model, plan, call, loss_fn)
-    if compile_backend is not None and has_fake(model, (call.args, call.kwargs)):
+        return _apply_given(model, plan, call, meter)
+    if compile_backend is not None and meter.compile_backend is None:
         raise FxplanError("compile_backend measures real compiled steps: give example_inputs as real tensors")
-    applied = _search(model, call, budget, strategy=strategy, solver=solver, loss_fn=loss_fn,
-                      compile_backend=compile_backend)
+    applied = _search(model, call, budget, strategy=strategy, solver=solver, meter=meter)
     _KEPT[key] = applied
     runtime.install(model, applied.regions)
     model.fxplan_plan = applied
@@ -161,17 +178,44 @@ def remove_checkpoints(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall,
-                 loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.nn.Module:
+@dataclass(frozen=True)
+class _Meter:
+    """How the search measures a step: on fake tensors, compiled with a backend (real tensors), or as one rank of
+    the model sharded by ``shard``."""
+
+    loss_fn: Callable[[Any], torch.Tensor] | None
+    compile_backend: str | None = None
+    shard: Callable[[torch.nn.Module], Any] | None = None
+
+    def peak(self, model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan]) -> int:
+        """The peak of one step of ``model`` with ``regions`` on."""
+        if self.compile_backend is not None:
+            return _compiled_peak(model, call, regions, self.loss_fn, self.compile_backend)
+        runtime.install(model, regions)
+        try:
+            return measure_step(model, call, fake=True, loss_fn=self.loss_fn, shard=self.shard).peak_bytes
+        finally:
+            runtime.uninstall(model)
+
+    def describe(self) -> str:
+        return (f"compiled with {self.compile_backend}" if self.compile_backend else
+                "sharded by shard=" if self.shard else "on fake tensors")
+
+    @property
+    def differs(self) -> bool:
+        """Whether it measures otherwise than the fake unsharded step the regions are checked by."""
+        return self.compile_backend is not None or self.shard is not None
+
+
+def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall, meter: _Meter) -> torch.nn.Module:
     if plan.model_class != type(model).__qualname__:
         raise FxplanError(f"this plan was made for {plan.model_class}, not {type(model).__qualname__}; plan this "
                           "model with fxplan.auto_checkpoint(model, ..., example_inputs=...)")
-    backend = None if has_fake(model, (call.args, call.kwargs)) else plan.compile_backend
-    measured = (_compiled_peak(model, call, plan.regions, loss_fn, backend) if backend else
-                _measure_applied(model, call, plan.regions, loss_fn))
+    measured = meter.peak(model, call, plan.regions)
     runtime.install(model, plan.regions)
     model.fxplan_plan = AppliedPlan(plan.model_class, _shapes(call), plan.regions, measured, plan.vanilla_peak_bytes,
-                                    plan.budget_bytes, plan.graph_plan, plan.recompute_fraction, backend)
+                                    plan.budget_bytes, plan.graph_plan, plan.recompute_fraction,
+                                    meter.compile_backend, meter.shard is not None)
     if plan.input_shapes != model.fxplan_plan.input_shapes:
         logger.warning("fxplan: this plan was made for input shapes %s and is applied for %s (measured peak %s)",
                        plan.input_shapes, model.fxplan_plan.input_shapes, format_bytes(measured))
@@ -179,13 +223,13 @@ def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall,
 
 
 def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, strategy: str, solver: str,
-            loss_fn: Callable[[Any], torch.Tensor] | None, compile_backend: str | None) -> AppliedPlan:
+            meter: _Meter) -> AppliedPlan:
     t0 = time.perf_counter()
-    regionable, vanilla = _regionable(model, call, loss_fn)
-    if compile_backend is not None:
-        vanilla = _compiled_peak(model, call, [], loss_fn, compile_backend)
+    loss_fn = meter.loss_fn
+    regionable, unsharded = _regionable(model, call, loss_fn)
+    vanilla = meter.peak(model, call, []) if meter.differs else unsharded
     unplanned = AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget,
-                            compile_backend=compile_backend)
+                            compile_backend=meter.compile_backend, per_rank=meter.shard is not None)
     if budget is not None and budget >= vanilla:
         logger.info("fxplan: the budget %s is above the unplanned peak %s: nothing to checkpoint",
                     format_bytes(budget), format_bytes(vanilla))
@@ -198,7 +242,10 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     logger.info("fxplan: traced %s (%d nodes) in %.1f s; applying plans to its modules", type(model).__name__,
                 cg.number_of_nodes(), time.perf_counter() - t0)
     best: AppliedPlan | None = None
-    target, tried, lowered, smallest_tried = budget, set(), 0, False
+    # The planner's budgets are of the unsharded eager step: ask first for the budget moved by what the meter
+    # takes off or adds to the unplanned step, then lower it by each excess measured.
+    target = None if budget is None else budget + unsharded - vanilla
+    tried, lowered, smallest_tried = set(), 0, False
     for attempt in range(MAX_TRIES):
         if attempt == MAX_TRIES - 1:
             target = None  # the last try, if none fitted: the planner's smallest plan
@@ -222,8 +269,8 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             graph_plan, ops, captured.gm, tree, regionable, mapping=mapping, blocks=blocks), vanilla, budget,
             loss_fn) for mapping in MAPPINGS]
         made = [a for a in made if a is not None]
-        if compile_backend is not None:
-            made = _measured_compiled(model, call, made, loss_fn, compile_backend)
+        if meter.differs:
+            made = _remeasured(model, call, made, meter)
         if not made:  # no mapping trains: try the smallest plan, which maps otherwise
             target = None
             continue
@@ -273,16 +320,25 @@ def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, grap
                        _recompute_fraction(cg, ops, regions))
 
 
-def _measured_compiled(model: torch.nn.Module, call: ExampleCall, made: list[AppliedPlan],
-                       loss_fn: Callable[[Any], torch.Tensor] | None, backend: str) -> list[AppliedPlan]:
-    """``made`` with each plan's peak that of its compiled step; mappings with the same regions are compiled once."""
-    peaks: dict[tuple[RegionPlan, ...], int] = {}
+def _remeasured(model: torch.nn.Module, call: ExampleCall, made: list[AppliedPlan], meter: _Meter) -> list[AppliedPlan]:
+    """``made`` with each plan's peak as ``meter`` measures it, less those whose step fails there (regions around a
+    module that ``shard`` shards run FSDP2's hooks inside the checkpoint, which recomputation does not repeat
+    alike); mappings with the same regions are measured once."""
+    peaks: dict[tuple[RegionPlan, ...], int | None] = {}
     out = []
     for applied in made:
         key = tuple(applied.regions)
         if key not in peaks:
-            peaks[key] = _compiled_peak(model, call, applied.regions, loss_fn, backend)
-        out.append(replace(applied, measured_peak_bytes=peaks[key], compile_backend=backend))
+            try:
+                peaks[key] = meter.peak(model, call, applied.regions)
+            except RuntimeError as error:
+                logger.info("fxplan: %s checkpointed as planned %s not train %s (%s); that mapping is left out",
+                            format_count(len(key), "module"), "does" if len(key) == 1 else "do", meter.describe(),
+                            str(error).splitlines()[0][:200])
+                peaks[key] = None
+        if peaks[key] is not None:
+            out.append(replace(applied, measured_peak_bytes=peaks[key], compile_backend=meter.compile_backend,
+                               per_rank=meter.shard is not None))
     return out
 
 
@@ -311,15 +367,6 @@ def _better(a: AppliedPlan, b: AppliedPlan, budget: int | None) -> bool:
     return a.recompute_fraction < b.recompute_fraction
 
 
-def _measure_applied(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
-                     loss_fn: Callable[[Any], torch.Tensor] | None) -> int:
-    runtime.install(model, regions)
-    try:
-        return measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
-    finally:
-        runtime.uninstall(model)
-
-
 def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
              loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[list[RegionPlan], int]:
     """``regions`` checked against the model's own forward in a fake step with the regions on, and that step's
@@ -342,7 +389,7 @@ def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan
             logger.debug("fxplan: module %s: %s calls differ from the captured graph's", r.path, ", ".join(unmatched))
         checked.append(replace(r, unmatched=unmatched))
     if any(r.unmatched for r in checked):
-        peak = _measure_applied(model, call, checked, loss_fn)
+        peak = _Meter(loss_fn).peak(model, call, checked)
     return checked, peak
 
 
@@ -428,11 +475,7 @@ def _shapes(call: ExampleCall) -> str:
 
 def _refuse_wrapped(model: torch.nn.Module) -> None:
     """Models that another wrapper already owns are planned before it wraps them: say so in plain words."""
-    sharded = ()
-    if torch.distributed.is_available():
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-        sharded = (FSDPModule, FullyShardedDataParallel)
-    if sharded and any(isinstance(m, sharded) for m in model.modules()):
+    if is_sharded(model):
         raise FxplanError(f"{type(model).__name__} is already sharded with FSDP: call fxplan.auto_checkpoint "
                           "before fully_shard (plan first, then shard)")
     if is_compiled(model):

@@ -104,6 +104,15 @@ def is_compiled(model: torch.nn.Module) -> bool:
     return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or a module in it is sharded by FSDP (``fully_shard`` or ``FullyShardedDataParallel``)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
 def refuse_torchscript(model: torch.nn.Module) -> None:
     """:class:`TraceError` naming the TorchScript modules in ``model`` (outermost only), if any."""
     scripted: list[str] = []

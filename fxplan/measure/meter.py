@@ -2,9 +2,11 @@
 
 The meter is a live-storage tracker: a ``TorchDispatchMode`` that sees every op output, records the
 untyped storage behind it (keyed by ``storage._cdata``, since fake storages have no data pointer) and
-forgets it when the storage dies (``weakref.finalize``). Summing the bytes of live storages gives the
-same peak as the CPU allocator, and under ``FakeTensorMode`` it gives that peak without allocating
-anything, so a step far larger than the machine can be measured in seconds. What a kernel allocates and
+forgets it when the storage dies (``weakref.finalize``) or follows it when Python code resizes it in place
+(``UntypedStorage.resize_``: FSDP2 gathers a layer's parameters into storages it grows before the layer runs
+and shrinks to nothing after). A sharded tensor (``DTensor``) counts as its local shard. Summing the bytes of
+live storages gives the same peak as the CPU allocator, and under ``FakeTensorMode`` it gives that peak without
+allocating anything, so a step far larger than the machine can be measured in seconds. What a kernel allocates and
 frees inside itself (its scratch, :mod:`fxplan.measure.scratch`) is added while the op runs.
 
 On CUDA, :func:`measure_step` reads the caching allocator's statistics instead.
@@ -42,16 +44,56 @@ from fxplan.capture.fakes import (
     tensor_attributes,
     to_fake,
 )
-from fxplan.capture.guards import is_compiled
+from fxplan.capture.guards import is_compiled, is_sharded
 from fxplan.errors import FxplanError
-from fxplan.measure.scratch import METADATA_QUERIES, call_figures, output_storages, storage_bytes
+from fxplan.measure.scratch import METADATA_QUERIES, call_figures, charged_bytes, output_storages, storage_bytes
 
 GiB = 1024**3
 MiB = 1024**2
 
 #: Categories of the breakdown, in display order.
-CATEGORIES = ("parameters", "buffers", "inputs", "activations", "gradients", "backward temporaries", "kernel scratch")
-BACKWARD, SCRATCH = "backward temporaries", "kernel scratch"
+CATEGORIES = ("parameters", "gathered parameters", "buffers", "inputs", "activations", "gradients",
+              "backward temporaries", "kernel scratch")
+BACKWARD, SCRATCH, GATHERED = "backward temporaries", "kernel scratch", "gathered parameters"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage a process holds for ``t``: a ``DTensor``'s local shard, else ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _StorageResizes:
+    """Reports in-place storage resizes (``UntypedStorage.resize_``, called from Python) to the trackers active
+    now. The method is wrapped while at least one tracker is active and restored after the last one exits."""
+
+    def __init__(self):
+        self.trackers: list[StorageTracker] = []
+        self._own = self._original = None
+
+    def enter(self, tracker: StorageTracker) -> None:
+        if not self.trackers:
+            self._own = torch.UntypedStorage.__dict__.get("resize_")  # None where it is StorageBase's
+            self._original = original = torch.UntypedStorage.resize_
+
+            def resize_(storage, size):
+                out = original(storage, size)
+                for t in self.trackers:
+                    t.resized(storage)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_
+        self.trackers.append(tracker)
+
+    def exit(self, tracker: StorageTracker) -> None:
+        self.trackers.remove(tracker)
+        if not self.trackers:
+            if self._own is None:
+                del torch.UntypedStorage.resize_
+            else:
+                torch.UntypedStorage.resize_ = self._own
+
+
+_RESIZES = _StorageResizes()
 
 
 class StorageTracker(TorchDispatchMode):
@@ -63,9 +105,10 @@ class StorageTracker(TorchDispatchMode):
     split of live bytes at the moment of the peak.
     """
 
-    def __init__(self, phase: str = "activations"):
+    def __init__(self, phase: str = "activations", device: torch.device | None = None):
         super().__init__()
         self.phase = phase
+        self.device = device  # where a storage that was not tracked but grows in place is charged
         self.current_bytes = 0
         self.peak_bytes = 0
         # storage key -> (bytes, category, serial); keys are addresses and get reused, serials never.
@@ -78,8 +121,34 @@ class StorageTracker(TorchDispatchMode):
         self._backward_live: set[int] = set()
         self.peak_backward_serials: frozenset[int] = frozenset()
 
+    def __enter__(self):
+        _RESIZES.enter(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _RESIZES.exit(self)
+        return super().__exit__(*exc)
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """Follow an in-place resize of ``storage``: a tracked one counts its new size; one that was not tracked
+        and grew (FSDP2's unsharded parameters, made when the model was sharded) counts from now on as
+        gathered parameters."""
+        key = storage._cdata
+        entry = self._live.get(key)
+        if entry is None:
+            if storage.nbytes():
+                self._add(storage, GATHERED, charged_bytes(storage.nbytes(), self.device))
+            return
+        nbytes, category, serial = entry
+        new = charged_bytes(storage.nbytes(), self.device) if storage.nbytes() else 0
+        self._live[key] = (new, category, serial)
+        self._by_category[category] += new - nbytes
+        self.current_bytes += new - nbytes
+        self._note_peak()
+
     def register(self, tensor: torch.Tensor, category: str) -> None:
-        """Count an existing tensor's storage under ``category`` (once per storage)."""
+        """Count an existing tensor's storage under ``category`` (once per storage; of a DTensor, its shard)."""
+        tensor = local_tensor(tensor)
         self._add(tensor.untyped_storage(), category, storage_bytes(tensor))
 
     def record_timeline(self) -> None:
@@ -118,7 +187,7 @@ class StorageTracker(TorchDispatchMode):
 
     def live_entry(self, tensor: torch.Tensor) -> tuple[int, str, int] | None:
         """(bytes, category, serial) of a live tracked tensor's storage, or None."""
-        return self._live.get(tensor.untyped_storage()._cdata)
+        return self._live.get(local_tensor(tensor).untyped_storage()._cdata)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -126,7 +195,7 @@ class StorageTracker(TorchDispatchMode):
         if func in METADATA_QUERIES:
             return out
         figures = call_figures(func, args, kwargs)
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outputs = [local_tensor(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         for storage, nbytes in output_storages(figures, outputs):
             self._add(storage, self.phase, nbytes)
         self._note_peak(figures.scratch)  # the kernel held it beside its outputs
@@ -196,6 +265,7 @@ def measure_step(
     fake: bool = False,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     timeline: bool = False,
+    shard: Callable[[torch.nn.Module], Any] | None = None,
 ) -> StepStats:
     """Measure the peak bytes and wall time of one forward + backward of ``model`` on ``example_inputs``.
 
@@ -216,12 +286,21 @@ def measure_step(
     A ``torch.compile``d module is measured as it runs compiled: a real step after one that compiles it, on
     the CPU by torch.profiler's allocation events, which see compiled kernels' buffers. With ``fake=True`` it
     is refused (fake tensors would run its eager code).
+
+    ``shard`` measures the step as one rank of a sharded run holds it. It is the training script's own function
+    that shards a module in place (FSDP2's ``fully_shard`` on each layer, then on the root); it is called on the
+    private fake copy, and the step runs on that copy: the parameters and gradients a rank holds are its shards, and
+    each layer's parameters count while FSDP2 holds them gathered. ``example_inputs`` is one rank's batch. The
+    process group must be initialised (the run's own, or a ``fake`` one to plan on one process); the collectives
+    of a fake step exchange nothing, so a rank measures without the others.
     """
     loss_fn = loss_fn or default_loss
     call = as_call(example_inputs)
     inputs = (call.args, call.kwargs)
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"measure_step needs an nn.Module, got {type(model).__name__}")
+    if shard is not None:
+        return _measure_sharded(model, inputs, loss_fn, shard, timeline)
     fake_mode = fake_mode_of(model, inputs) if fake or has_fake(model, inputs) else None
     if is_compiled(model):
         return _measure_compiled(model, call, loss_fn, fake_mode is not None)
@@ -232,6 +311,23 @@ def measure_step(
     if device.type == "cuda":
         return cuda_step_stats(real_copy(model), inputs, loss_fn, device)
     return _measure_tracked(real_copy(model), inputs, loss_fn, timeline, f"live storages ({device.type})")
+
+
+def _measure_sharded(model: torch.nn.Module, inputs: tuple[tuple, dict[str, Any]],
+                     loss_fn: Callable[[Any], torch.Tensor], shard: Callable[[torch.nn.Module], Any],
+                     timeline: bool) -> StepStats:
+    """:func:`measure_step` with ``shard`` (its docstring): a fake step of a fake copy sharded by ``shard``."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise FxplanError("shard= measures the step as one rank of a sharded run holds it: initialise the process "
+                          "group first (torch.distributed.init_process_group), as the training script does")
+    if is_compiled(model) or is_sharded(model):
+        raise FxplanError(f"shard= shards a copy of {type(model).__name__} itself: give the module before it is "
+                          "sharded or compiled")
+    fake_mode = fake_mode_of(model, inputs)
+    with caches_kept_real():
+        copy = fake_copy(model, fake_mode)
+        shard(copy)
+        return measure_fake(copy, to_fake(inputs, fake_mode), fake_mode, loss_fn, timeline)
 
 
 def _measure_compiled(model: torch.nn.Module, call: Any, loss_fn: Callable[[Any], torch.Tensor],
@@ -302,7 +398,7 @@ def fresh_autocast_cache() -> Iterator[None]:
 
 
 def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> StepStats:
-    tracker = StorageTracker()
+    tracker = StorageTracker(device=device_of(model, inputs))
     if timeline:
         tracker.record_timeline()
     for p in model.parameters():
@@ -367,7 +463,7 @@ def resident_bytes(model: torch.nn.Module, inputs) -> int:
     tensors = [*model.parameters(), *existing_grads(model), *model.buffers(), *tensor_attributes(model),
                *[t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]]
     for t in tensors:
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = local_tensor(t)
         seen[t.untyped_storage()._cdata] = storage_bytes(t)
     return sum(seen.values())
 
