@@ -55,7 +55,7 @@ from fxplan.capture.regions import Region, dropped_bytes, recompute_cost, region
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError
 from fxplan.planner.candidates import Candidate
-from fxplan.planner.search import NEGLIGIBLE, Search, replayed_within_trust
+from fxplan.planner.search import NEGLIGIBLE, Search, StepFloor, replayed_within_trust
 from fxplan.planner.splice import SpliceError, derived, spliced
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers.costgraph import CostGraph
@@ -125,7 +125,9 @@ class Searches:
     def __init__(self, cg: CostGraph, model: torch.nn.Module, example_inputs: Any, *, solver: str,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None):
         self.model, self.inputs, self.solver, self.loss_fn = model, example_inputs, solver, loss_fn
-        self.plain = Variant(Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn), [])
+        self.step_floor = StepFloor(model, example_inputs, loss_fn)  # one model, one step: its graphs share it
+        self.plain = Variant(Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn,
+                                    step_floor=self.step_floor), [])
         # Chen's plans stay the paper's baseline (fxplan.planner.search): no regions for solver="chen"
         self._regions = regions_of(cg) if solver != "chen" else []
         self._region_T = recompute_cost(cg, self._regions)  # what any plan with regions recomputes, at least
@@ -147,7 +149,8 @@ class Searches:
             made = self._guarded(lambda: self._graph_with(self._regions))
             if made is None:
                 return None
-            search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
+            search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn,
+                            step_floor=self.step_floor)
             self._with_regions = Variant(search, self._regions, self._region_T)
             logger.info("fxplan: made the graph with %s recomputed in backward in %.1f s",
                         regions_recomputed([r.conv for r in self._regions]), time.perf_counter() - t0)
@@ -194,7 +197,8 @@ class Searches:
             made = self._guarded(graph)
             if made is None:
                 return None
-            search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn)
+            search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn,
+                            step_floor=self.step_floor)
             self._subsets[key] = Variant(search, subset, recompute_cost(cg, subset))
         return self._subsets[key]
 
