@@ -9,7 +9,8 @@ from fxplan import bptt
 from fxplan.api import min_budget_bytes, plan, rewrite
 from fxplan.apply.auto import AppliedPlan, auto_checkpoint, remove_checkpoints
 from fxplan.errors import BudgetError, FxplanError, TraceError
-from fxplan.measure.meter import StepStats, measure_step, track_memory
+from fxplan.measure.meter import StepStats, measure_step
+from fxplan.measure.tracker import track_memory
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.plans import Plan
 

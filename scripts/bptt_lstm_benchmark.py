@@ -22,7 +22,7 @@ import torch
 
 import fxplan.bptt as bptt
 import models_zoo
-from fxplan.measure.meter import track_memory
+from fxplan.measure.tracker import track_memory
 from models_zoo.entry import synthetic_targets
 
 MiB = 1024**2

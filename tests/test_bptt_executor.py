@@ -10,7 +10,7 @@ from torch import nn
 
 import fxplan.bptt as bptt
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.measure.meter import track_memory
+from fxplan.measure.tracker import track_memory
 
 D = torch.float64
 

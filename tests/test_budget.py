@@ -13,7 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxplan
 from fxplan import BudgetError, FxplanError
-from fxplan.measure.meter import GiB, measure_step, track_memory
+from fxplan.measure.meter import GiB, measure_step
+from fxplan.measure.tracker import track_memory
 from fxplan.planner.planning import budget_to_bytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -8,7 +8,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxplan.capture.fakes import fake_copy
 from fxplan.errors import FxplanError
 from fxplan.measure import scratch
-from fxplan.measure.meter import measure_fake, measure_step, measure_step_profiler, track_memory
+from fxplan.measure.meter import measure_fake, measure_step, measure_step_profiler
+from fxplan.measure.tracker import track_memory
 
 
 def small_cnn() -> nn.Module:

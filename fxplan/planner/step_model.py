@@ -28,8 +28,9 @@ from fxplan.capture.fakes import FakeMode
 from fxplan.capture.graph_module import resolve_attr
 from fxplan.capture.recomputed_inputs import call_recomputing, saver_operands
 from fxplan.measure import scratch
-from fxplan.measure.meter import default_loss, device_of, resident_bytes, track_memory
+from fxplan.measure.meter import default_loss, device_of, resident_bytes
 from fxplan.measure.scratch import charged_bytes, storage_bytes
+from fxplan.measure.tracker import track_memory
 from fxplan.rewriter import inplace_rule
 from fxplan.rewriter.recompute import STATEFUL_NORMS, host_rng_state_bytes
 from fxplan.solvers import subplans

@@ -316,7 +316,7 @@ class Segment(fx.GraphModule):
 def _metering_host_memory(args: tuple, kwargs: dict) -> bool:
     """Whether fxplan's meter (:class:`fxplan.measure.meter.StorageTracker`) is counting this step and the segment
     runs on the CPU, where the generator states checkpoint keeps are allocated too."""
-    from fxplan.measure.meter import StorageTracker
+    from fxplan.measure.tracker import StorageTracker
 
     if not scratch.counted() or not any(isinstance(m, StorageTracker) for m in _get_current_dispatch_mode_stack()):
         return False
