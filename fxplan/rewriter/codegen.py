@@ -375,6 +375,7 @@ def segment_module(
             extra[name] = out._buffers.pop(name)
             out._non_persistent_buffers_set.discard(name)
     out.__dict__.update(extra)
+    out.__dict__["_fxplan_constants"] = set(gm.__dict__.get("_fxplan_constants", ()))  # for fake copies
     out._fxplan_extra_attrs = extra
     out._fxplan_segment_names = list(seg_modules)
     out._fxplan_graph = copy.deepcopy(gm.graph)
