@@ -22,7 +22,7 @@ import torch
 
 from fxplan.capture import effects
 from fxplan.capture.capturers import CallInterface, Captured, ExampleCall, capture, symbolic_trace_module
-from fxplan.capture.fakes import caches_kept_real
+from fxplan.capture.fakes import caches_kept_real, refusing_data_dependent
 from fxplan.capture.regions import with_regions
 from fxplan.common import collector
 from fxplan.common.console import format_bytes, format_count
@@ -38,6 +38,7 @@ from fxplan.solvers.plans import Plan, recompute_note, regions_recomputed
 logger = logging.getLogger("fxplan")
 
 
+@refusing_data_dependent
 @caches_kept_real()
 def rewrite(
     model: torch.nn.Module,
@@ -87,6 +88,7 @@ def rewrite(
     return fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
 
 
+@refusing_data_dependent
 def plan(
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
@@ -145,6 +147,7 @@ def _check_fits(gm: torch.fx.GraphModule, plan: Plan, model_name: str) -> None:
                           "given, the same train/eval mode); plan this model (fxplan.plan) instead")
 
 
+@refusing_data_dependent
 @caches_kept_real()
 @collector.spared()
 def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, solver: str = "approx",
@@ -175,6 +178,7 @@ def _captured_for(model: torch.nn.Module, example_inputs: Sequence[Any] | None) 
     return Captured(gm, "symbolic_trace", interface)
 
 
+@refusing_data_dependent
 @caches_kept_real()
 @collector.spared()
 def fit_budget(

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fxplan.capture.fakes import FakeMode
+from fxplan.capture.fakes import DATA_DEPENDENT, FakeMode, data_dependent_error, without_values
 from fxplan.common.console import Progress, format_bytes, format_table
 from fxplan.compare.methods import DEFAULT_COMPILE_BUDGETS, DEFAULT_CURVE_POINTS, DEFAULT_SAC_BUDGETS
 from fxplan.errors import BudgetError, FxplanError, TraceError
@@ -79,7 +79,7 @@ def load_model(name: str, batch_size: int | None, input_size: int | None, *, rea
         inputs = entry.example_inputs(batch_size=batch_size, input_size=input_size)
     else:
         with FakeMode():
-            inputs = entry.example_inputs(batch_size=batch_size, input_size=input_size)
+            inputs = without_values(entry.example_inputs(batch_size=batch_size, input_size=input_size))
     return entry, model, inputs
 
 
@@ -339,6 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except FxplanError as exc:
         print(f"fxplan: error: {exc}", file=sys.stderr)
+        return 1
+    except DATA_DEPENDENT as exc:  # a step on fake tensors that no entry point refused itself
+        print(f"fxplan: error: {data_dependent_error(exc, f'one training step of {args.model}')}", file=sys.stderr)
         return 1
     except torch.OutOfMemoryError as exc:
         print(f"fxplan: error: out of memory ({exc}); drop --real to measure with fake tensors", file=sys.stderr)

@@ -26,7 +26,7 @@ from fxplan.apply import runtime
 from fxplan.apply.op_map import node_ops
 from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for
 from fxplan.capture.capturers import ExampleCall, as_call
-from fxplan.capture.fakes import caches_kept_real, has_fake
+from fxplan.capture.fakes import DATA_DEPENDENT, caches_kept_real, has_fake, refusing_data_dependent
 from fxplan.capture.guards import is_compiled, is_sharded
 from fxplan.common import collector
 from fxplan.common.console import format_bytes, format_count
@@ -100,6 +100,7 @@ class AppliedPlan:
                            compile_backend=d.get("compile_backend"), per_rank=d.get("per_rank", False))
 
 
+@refusing_data_dependent
 @caches_kept_real()
 @collector.spared()
 def auto_checkpoint(
@@ -311,6 +312,8 @@ def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, grap
     tensors); None where the step with them fails."""
     try:
         regions, peak = _matched(model, call, regions, loss_fn)
+    except DATA_DEPENDENT:  # the step, not the mapping: refused by auto_checkpoint
+        raise
     except RuntimeError as error:  # autograd or checkpointing refused the step: this mapping is not applied
         logger.info("fxplan: %s checkpointed as planned %s not train (%s); that mapping of the plan is left out",
                     format_count(len(regions), "module"), "does" if len(regions) == 1 else "do",
@@ -331,6 +334,8 @@ def _remeasured(model: torch.nn.Module, call: ExampleCall, made: list[AppliedPla
         if key not in peaks:
             try:
                 peaks[key] = meter.peak(model, call, applied.regions)
+            except DATA_DEPENDENT:  # the step, not the mapping: refused by auto_checkpoint
+                raise
             except RuntimeError as error:
                 logger.info("fxplan: %s checkpointed as planned %s not train %s (%s); that mapping is left out",
                             format_count(len(key), "module"), "does" if len(key) == 1 else "do", meter.describe(),

@@ -15,13 +15,17 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_impls import _is_tensor_constructor
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
     FakeTensorMode,
 )
+from torch._subclasses.meta_utils import is_sparse_any
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxplan.errors import FxplanError, user_frame
 
@@ -100,18 +104,71 @@ def _grouped_mm_output(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Ten
 _MISSING_FAKE_KERNELS = {torch.ops.aten._grouped_mm.default: _grouped_mm_output}
 
 
+#: The most elements of a tensor whose values a fake step knows (:class:`FakeMode`): enough for lists of dimensions,
+#: shapes and class indices, small enough that computing them for real costs nothing.
+KNOWN_VALUES_LIMIT = 1024
+
+
 class FakeMode(FakeTensorMode):
     """The fake tensor mode fxplan makes: PyTorch's, with the fake kernels it lacks for calls its real kernels
-    run (:data:`_MISSING_FAKE_KERNELS`). Fake tensors of a mode the caller made are measured in that mode."""
+    run (:data:`_MISSING_FAKE_KERNELS`), and the values of small tensors built from shapes and constants alone.
+    Fake tensors of a mode the caller made are measured in that mode.
+
+    A tensor a factory op makes on the CPU from numbers (``torch.arange(2, x.dim())``, ``torch.tensor([1, 2])``,
+    ``torch.ones(3)``), with no more than :data:`KNOWN_VALUES_LIMIT` elements, is made for real as well and kept as
+    the fake tensor's ``constant``; PyTorch's fake mode then computes every op whose tensor inputs all have constants
+    for real, so ``.tolist()`` and ``.item()`` of such a tensor (MONAI's ``DiceCELoss`` reduces over
+    ``torch.arange(2, len(input.shape)).tolist()``) give the values the real step gets. Random and uninitialized
+    factories (``randn``, ``empty``) are not evaluated, nor is anything computed from a model's inputs, parameters or
+    buffers (they have no constant): an ``.item()`` of those still raises, and fxplan refuses it
+    (:func:`data_dependent_error`). PyTorch keeps constants of one element only (``CONSTANT_NUMEL_LIMIT``); writing
+    into a constant with a value it does not know forgets the constant, as PyTorch does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # real tensor -> its fake, kept while the real one lives (see validate_and_convert_non_fake_tensors)
+        self._converted = WeakIdKeyDictionary()
+
+    def validate_and_convert_non_fake_tensors(self, func, converter, flat_args, args_spec):
+        """PyTorch's conversion of the real tensors an op meets (labels a loss closes over), each fake kept alive
+        while the real one is: its caller holds the real tensor through the step and after it, so its storage stays
+        allocated on a real step, where a fake one only the step's autograd graph held would be freed with it."""
+        converted = super().validate_and_convert_non_fake_tensors(func, converter, flat_args, args_spec)
+        for real, fake in zip(flat_args, converted[0]):
+            if fake is not real and isinstance(real, torch.Tensor) and not isinstance(real, FakeTensor):
+                self._converted[real] = fake
+        return converted
+
+    def may_turn_const(self, t: torch.Tensor) -> bool:
+        return t.numel() <= KNOWN_VALUES_LIMIT and not is_sparse_any(t) and not self.is_our_fake(t) \
+            and t.device.type != "meta"
 
     def dispatch(self, func, types, args=(), kwargs=None):
         fill = _MISSING_FAKE_KERNELS.get(func)
         output = fill(*args, **(kwargs or {})) if fill is not None else None
         if output is None:
-            return super().dispatch(func, types, args, kwargs)
+            out = super().dispatch(func, types, args, kwargs)
+            return self._with_value(func, args, kwargs or {}, out) if _is_known_factory(func) else out
         shape, dtype, device = output
         return self.fake_tensor_converter.from_meta_and_device(self, torch.empty(shape, dtype=dtype, device="meta"),
                                                                device)
+
+    def _with_value(self, func, args, kwargs, out):
+        """``out``, the fake output of a factory call, made for real with its value kept where it is small and on
+        the CPU (:class:`FakeMode`)."""
+        if not isinstance(out, FakeTensor) or out.device.type != "cpu" or out.numel() > KNOWN_VALUES_LIMIT \
+                or kwargs.get("pin_memory") or out.layout != torch.strided:
+            return out
+        with no_dispatch():
+            real = func(*args, **kwargs)
+        return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
+
+
+@functools.cache
+def _is_known_factory(func) -> bool:
+    """True for an ATen factory op (no tensor argument, one tensor out) that is neither random nor uninitialized."""
+    return isinstance(func, torch._ops.OpOverload) and _is_tensor_constructor(func) \
+        and torch.Tag.nondeterministic_seeded not in func.tags and "empty" not in func.__name__
 
 
 def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Module:
@@ -134,6 +191,9 @@ def fake_copy(model: torch.nn.Module, fake_mode: FakeTensorMode) -> torch.nn.Mod
             if p.grad is not None:
                 fake.grad = _fresh(p.grad, fake_mode, id(p.grad) in alone)
             memo[id(p)] = fake
+    for b in _made_up_constants(model):  # their values known to the fake step (FakeMode), as in eager code
+        if id(b) not in memo:
+            memo[id(b)] = fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, b, make_constant=True)
     for b in [*model.buffers(), *attributes]:
         if id(b) not in memo:
             memo[id(b)] = _fresh(b, fake_mode, id(b) in alone)
@@ -155,6 +215,20 @@ def tensor_attributes(model: torch.nn.Module) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.is_leaf:
                 found.setdefault(id(value), value)
     return list(found.values())
+
+
+def _made_up_constants(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The small real CPU tensors a capture made up from the values of the model's Python (``torch.export`` lifts
+    ``torch.tensor(x.shape)`` in a forward to a constant; ``_fxplan_constants`` names them): a fake copy keeps their
+    values, so an ``.item()`` of them in the graph gives what eager code gets (:class:`FakeMode`)."""
+    found = []
+    for m in model.modules():
+        for name in m.__dict__.get("_fxplan_constants", ()):
+            t = getattr(m, name, None)
+            if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.device.type == "cpu" \
+                    and t.layout == torch.strided and t.numel() <= KNOWN_VALUES_LIMIT:
+                found.append(t)
+    return found
 
 
 def model_copy(model: torch.nn.Module, memo: dict[int, Any] | None = None) -> torch.nn.Module:
@@ -215,6 +289,15 @@ def _alone_on_storage(tensors: Iterable[torch.Tensor]) -> set[int]:
     return alone
 
 
+def without_values(inputs: Any) -> Any:
+    """``inputs`` with the values of their fake tensors forgotten: inputs a fake mode made (the command line's, from
+    ``torch.ones`` or ``torch.arange``) are data a step must not decide on (:class:`FakeMode`). Returns ``inputs``."""
+    for t in tree_leaves(inputs):
+        if isinstance(t, FakeTensor):
+            t.constant = None
+    return inputs
+
+
 def to_fake(inputs: Any, fake_mode: FakeTensorMode) -> Any:
     """``inputs`` (any nesting of tuples, lists, dicts) with every real tensor converted to a fake one of
     ``fake_mode`` (others unchanged); a tuple stays a tuple."""
@@ -242,3 +325,18 @@ def data_dependent_error(exc: Exception, what: str, error: type[FxplanError] = F
         "of fixed output size in its place lets it (h[mask] = v -> torch.where(mask[..., None], v, h); a loss "
         "over h[mask] -> one over h weighted by the mask). fxplan.measure_step(..., fake=False) measures the "
         "step on real tensors.")
+
+
+def refusing_data_dependent(fn):
+    """``fn(model, ...)`` (an entry point: ``fxplan.rewrite``, ``plan``, ``min_budget_bytes``, ``auto_checkpoint``)
+    with a data-dependent op met on fake tensors anywhere inside (the capture, the trace, the loss probed, a step
+    measured) raised as :func:`data_dependent_error`, naming the user's line, instead of PyTorch's own exception."""
+
+    @functools.wraps(fn)
+    def entry_point(model, *args, **kwargs):
+        try:
+            return fn(model, *args, **kwargs)
+        except DATA_DEPENDENT as exc:
+            raise data_dependent_error(exc, f"one training step of {type(model).__name__}") from exc
+
+    return entry_point

@@ -151,8 +151,8 @@ def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) ->
         with fake_mode, torch.enable_grad():
             propagator.result = propagator.run(*to_fake(values, fake_mode))
     except DATA_DEPENDENT as exc:
-        raise data_dependent_error(exc, f"the captured graph of {type(model).__name__} (at node "
-                                        f"'{propagator.current}')", TraceError) from exc
+        raise data_dependent_error(_eager_failure(model, call) or exc, f"the captured graph of "
+                                   f"{type(model).__name__} (at node '{propagator.current}')", TraceError) from exc
     except FxplanError:  # fxplan's own refusal: its message says what to do, whole
         raise
     except Exception as exc:  # anything the model's own code raises on these inputs
@@ -161,6 +161,21 @@ def _propagate(model: torch.nn.Module, captured: Captured, call: ExampleCall) ->
                          f"({type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}); check the example "
                          "inputs' shapes and dtypes against what the model expects") from exc
     return propagator
+
+
+def _eager_failure(model: torch.nn.Module, call: ExampleCall) -> Exception | None:
+    """The data-dependent op the model's own forward stops at on a fake copy, whose traceback names the model's
+    line (a captured graph's code has none); None if it runs through or fails otherwise."""
+    fake_mode = fake_mode_of(model, (call.args, call.kwargs))
+    try:
+        args, kwargs = to_fake((call.args, call.kwargs), fake_mode)
+        with fake_mode, fresh_autocast_cache():
+            fake_copy(model, fake_mode)(*args, **kwargs)
+    except DATA_DEPENDENT as exc:
+        return exc
+    except Exception:  # noqa: BLE001 (only the line is looked for: the graph's failure is the error)
+        return None
+    return None
 
 
 def _refuse_own_checkpoints_updating_buffers(model: torch.nn.Module, captured: Captured,

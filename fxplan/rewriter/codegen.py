@@ -53,7 +53,7 @@ from fxplan.capture.portable import portable_target, restored
 from fxplan.errors import FxplanError
 from fxplan.rewriter.emit import Emitter
 from fxplan.rewriter.planned_graph import Rewrite, split_off, validate
-from fxplan.rewriter.recompute import Segment
+from fxplan.rewriter.recompute import Segment, views_replayed
 from fxplan.solvers import subplans
 
 logger = logging.getLogger("fxplan")
@@ -122,7 +122,8 @@ class SegmentedModule(fx.GraphModule):
         original = self.__dict__.get("_fxplan_original")
         interface = self.__dict__.get("_fxplan_interface")
         if original is None or interface is None:
-            return self._fxplan_graph_forward(*args, **kwargs)
+            with views_replayed():
+                return self._fxplan_graph_forward(*args, **kwargs)
         original.training = self.training
         if not torch.is_grad_enabled():
             return self._run_original(original, args, kwargs)
@@ -134,7 +135,8 @@ class SegmentedModule(fx.GraphModule):
                                "%s. Rewrite it for this call to plan it.", self._get_name(), why)
             return self._run_original(original, args, kwargs)
         graph_args, graph_kwargs = interface.graph_inputs(args, kwargs)
-        return interface.output(self._fxplan_graph_forward(*graph_args, **graph_kwargs))
+        with views_replayed():
+            return interface.output(self._fxplan_graph_forward(*graph_args, **graph_kwargs))
 
     def __getattr__(self, name: str) -> Any:
         """An attribute the module lacks is the original model's (``config``, ``generate``, ``save_pretrained``,
@@ -375,6 +377,7 @@ def segment_module(
             extra[name] = out._buffers.pop(name)
             out._non_persistent_buffers_set.discard(name)
     out.__dict__.update(extra)
+    out.__dict__["_fxplan_constants"] = set(gm.__dict__.get("_fxplan_constants", ()))  # for fake copies
     out._fxplan_extra_attrs = extra
     out._fxplan_segment_names = list(seg_modules)
     out._fxplan_graph = copy.deepcopy(gm.graph)
