@@ -89,7 +89,7 @@ def bench(name: str, model: str, exact_limit: float, fraction: float, exact_tc: 
         "exact_mc": lambda m: m.solve(cg, None, strategy="memory", exact=True, memory_model=model,
                                       time_limit=exact_limit),
         "exact_tc": lambda m: m.solve(cg, budget, exact=True, memory_model=model, time_limit=exact_limit),
-        "exact_tc_min": lambda m: m.solve(cg, m.min_budget_bytes(cg, exact=True, memory_model=model,
+        "exact_tc_min": lambda m: m.solve(cg, m.min_activation_bytes(cg, exact=True, memory_model=model,
                                                                  time_limit=exact_limit),
                                           exact=True, memory_model=model, time_limit=exact_limit),
     }

@@ -10,7 +10,7 @@ fresh child process, so its time includes building the planner's index and its p
 alternate, and the median and range over ``--repeats`` runs are printed. Peak RSS includes torch, which
 ``import fxplan`` loads (about 700 MB) and the loaded graph; "+N" is the peak RSS during the solve minus
 the RSS before it (the kernel's peak mark is reset just before the solve). Solves: min budget
-(``dp.min_budget_bytes``), the memory-centric plan, and the time-centric plan at the minimum budget and
+(``dp.min_activation_bytes``), the memory-centric plan, and the time-centric plan at the minimum budget and
 at 30% and 50% of the single-segment peak.
 """
 
@@ -88,12 +88,12 @@ def child(graph: str, engine: str, solve: str) -> None:
     base_rss = _reset_peak_rss()
     t0 = time.perf_counter()
     if solve == "min":
-        out = {"peak": dp.min_budget_bytes(cg), "segments": None}
+        out = {"peak": dp.min_activation_bytes(cg), "segments": None}
     else:
         if solve == "mc":
             plan = dp.solve(cg, None, strategy="memory")
         elif solve == "tc_min":
-            plan = dp.solve(cg, dp.min_budget_bytes(cg))
+            plan = dp.solve(cg, dp.min_activation_bytes(cg))
         else:
             plan = dp.solve(cg, int(int(solve[3:]) / 100 * vanilla))
         out = {"peak": plan.predicted_peak_bytes, "segments": plan.num_segments}

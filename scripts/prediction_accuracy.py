@@ -24,7 +24,7 @@ import models_zoo
 from fxplan.cli import format_table
 from fxplan.costs.trace import trace
 from fxplan.measure.meter import measure_step
-from fxplan.planner.planning import resident_bytes
+from fxplan.planner.planning import non_activation_bytes
 from fxplan.planner.replay import replay_blocks
 from fxplan.planner.search import Search
 from fxplan.solvers.lowersets import GraphIndex
@@ -59,7 +59,7 @@ def main() -> None:
             search.choose(low + (vanilla - low) * k // args.points, "time")
         ix = GraphIndex.build(cg)
         models = {"autograd": AutogradModel().bind(ix), "sweep": SweepModel().bind(ix)}
-        resident = resident_bytes(cg, model)
+        resident = non_activation_bytes(cg, model)
         errors: dict[str, list[float]] = {"replay": [], "sweep": [], "autograd": []}
         for c in search.candidates:
             if c.measured is None:

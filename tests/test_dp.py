@@ -127,7 +127,7 @@ def test_paper_model_is_equation_2():
 @given(small_dags(), st.sampled_from(MODELS), st.sampled_from(["family", "search"]))
 def test_exact_dp_equals_exhaustive_search(cg, model, engine):
     best_peak, _ = exhaustive(cg, model, "peak", None)
-    assert dp.min_budget_bytes(cg, exact=True, memory_model=model, engine=engine) == math.ceil(best_peak)
+    assert dp.min_activation_bytes(cg, exact=True, memory_model=model, engine=engine) == math.ceil(best_peak)
     for budget in (best_peak, int(1.3 * best_peak), 2 * best_peak):
         want, _ = exhaustive(cg, model, "time", budget)
         plan = dp.solve(cg, budget, exact=True, memory_model=model, engine=engine)
@@ -149,9 +149,9 @@ def test_exact_dp_equals_exhaustive_search(cg, model, engine):
 @settings(max_examples=30, deadline=None)
 @given(small_dags(max_nodes=8), st.sampled_from(MODELS), st.floats(1.0, 3.0), st.booleans())
 def test_strategies_are_consistent(cg, model, factor, exact):
-    b_min = dp.min_budget_bytes(cg, exact=exact, memory_model=model)
+    b_min = dp.min_activation_bytes(cg, exact=exact, memory_model=model)
     if exact:
-        assert b_min <= dp.min_budget_bytes(cg, exact=False, memory_model=model)
+        assert b_min <= dp.min_activation_bytes(cg, exact=False, memory_model=model)
     budget = int(factor * b_min)
     tc = dp.solve(cg, budget, exact=exact, memory_model=model)
     mc = dp.solve(cg, budget, strategy="memory", exact=exact, memory_model=model)
@@ -166,7 +166,7 @@ def test_strategies_are_consistent(cg, model, factor, exact):
 def test_infeasible_budget_reports_the_minimum():
     cg = CostGraph.from_edges("abc", [("a", "b"), ("b", "c")], dict(a=1, b=1, c=1),
                               dict(a=30 << 20, b=30 << 20, c=30 << 20))
-    b_min = dp.min_budget_bytes(cg)
+    b_min = dp.min_activation_bytes(cg)
     with pytest.raises(BudgetError) as info:
         dp.solve(cg, b_min - 1)
     assert info.value.min_feasible_bytes == b_min
@@ -183,7 +183,7 @@ def test_chain_time_centric_trades_memory_for_time():
                               dict.fromkeys(nodes, 100))
     free = dp.solve(cg, None)
     assert free.num_segments == 1 and free.overhead == 0 and free.recompute_fraction == 0
-    tight = dp.solve(cg, dp.min_budget_bytes(cg))
+    tight = dp.solve(cg, dp.min_activation_bytes(cg))
     assert tight.num_segments > 1 and tight.recompute_fraction > 0
     assert tight.predicted_peak_bytes < free.predicted_peak_bytes
 
@@ -241,7 +241,7 @@ def test_sparse_engine_gives_the_dense_engines_plans(cg, model, exact, factor, c
     family_dp.COARSE_SETS = coarse  # force coarse-to-fine passes even on small graphs
     try:
         chain, b_min = reference_solve(cg, None, strategy="memory", exact=exact, memory_model=model)
-        assert dp.min_budget_bytes(cg, exact=exact, memory_model=model) == b_min
+        assert dp.min_activation_bytes(cg, exact=exact, memory_model=model) == b_min
         ctx = dp.context(cg, model)
         fam = ctx.family(exact)
         for sub in family_dp._levels(fam.S):  # the coarsest pass's cap is a plan's peak: never below the least
@@ -259,10 +259,10 @@ def test_sparse_engine_gives_the_dense_engines_plans(cg, model, exact, factor, c
 
 def test_context_follows_graph_changes():
     cg = CostGraph.from_edges("abc", [("a", "b"), ("b", "c")], dict(a=1, b=1, c=1), dict(a=10, b=20, c=40))
-    before = dp.min_budget_bytes(cg)
+    before = dp.min_activation_bytes(cg)
     assert dp.context(cg) is dp.context(cg), "one context per graph and model"
     cg.nodes["b"]["M"] = 2000
-    assert dp.min_budget_bytes(cg) > before, "a changed graph is planned anew"
+    assert dp.min_activation_bytes(cg) > before, "a changed graph is planned anew"
 
 
 def test_exact_dp_memory_is_capped():
@@ -314,7 +314,7 @@ def test_compiled_time_dp_finds_the_family_engines_optimum(cg, exact, factor):
     """fxplan.solvers.time_kernel: the least overhead of the family engine (exhaustive search: the test above), with
     no more cache at the end, on the pruned family and on all lower sets."""
     exact = exact and cg.number_of_nodes() <= 10
-    _assert_same_optimum(cg, int(factor * dp.min_budget_bytes(cg, exact=exact)), exact)
+    _assert_same_optimum(cg, int(factor * dp.min_activation_bytes(cg, exact=exact)), exact)
 
 
 def test_compiled_time_dp_on_a_long_graph_with_skips():
@@ -330,7 +330,7 @@ def test_compiled_time_dp_on_a_long_graph_with_skips():
                               {v: int(rng.integers(1, 100)) for v in nodes})
     for v in nodes[::5]:
         cg.nodes[v]["saves_output"] = True
-    low, high = dp.min_budget_bytes(cg), dp.solve(cg, None).predicted_peak_bytes
+    low, high = dp.min_activation_bytes(cg), dp.solve(cg, None).predicted_peak_bytes
     for f in (0.0, 0.1, 0.3, 0.6, 1.0):
         _assert_same_optimum(cg, int(low + f * (high - low)), exact=False)
 
@@ -340,13 +340,13 @@ def test_compiled_time_dp_on_a_long_graph_with_skips():
 def test_compiled_exact_dp_equals_the_family_engine(cg, factor):
     """The exact time-centric DP on lattices over FAMILY_LIMIT (forced here) runs the compiled kernel: the
     family engine's overhead (exhaustive search: tests above), and the same refusal where nothing fits."""
-    budget = int(factor * dp.min_budget_bytes(cg, exact=True))
+    budget = int(factor * dp.min_activation_bytes(cg, exact=True))
     want = dp.solve(cg, budget, exact=True)
     with mock.patch.object(dp, "FAMILY_LIMIT", 0):
         dp.forget_context(cg)
         got = dp.solve(cg, budget, exact=True)
         with pytest.raises(BudgetError):
-            dp.solve(cg, dp.min_budget_bytes(cg, exact=True) - 1, exact=True)
+            dp.solve(cg, dp.min_activation_bytes(cg, exact=True) - 1, exact=True)
     assert got.overhead == pytest.approx(want.overhead, rel=1e-9, abs=1e-9)
     check_plan(cg, got, budget)
 
@@ -358,11 +358,11 @@ def test_compiled_exact_dp_finds_the_smallest_budget_and_the_memory_centric_plan
     of budgets below the approximate DP's, and its memory-centric plan from the kernel (through the set that
     could end a plan with the greatest overhead, else maximising over all sets): the family engine's smallest
     budget and overhead (exhaustive search: tests above)."""
-    want_budget = dp.min_budget_bytes(cg, exact=True)
+    want_budget = dp.min_activation_bytes(cg, exact=True)
     want = dp.solve(cg, None, strategy="memory", exact=True)
     with mock.patch.object(dp, "FAMILY_LIMIT", 0):
         dp.forget_context(cg)
-        got_budget = dp.min_budget_bytes(cg, exact=True)
+        got_budget = dp.min_activation_bytes(cg, exact=True)
         got = dp.solve(cg, None, strategy="memory", exact=True)
     assert got_budget == want_budget
     assert got.overhead == pytest.approx(want.overhead, rel=1e-9, abs=1e-9)
@@ -392,7 +392,7 @@ def test_compiled_exact_dp_on_a_wide_lattice(seed):
 
     def solves():
         dp.forget_context(cg)
-        low = dp.min_budget_bytes(cg, exact=True)
+        low = dp.min_activation_bytes(cg, exact=True)
         return low, dp.solve(cg, None, strategy="memory", exact=True), dp.solve(cg, low, exact=True)
 
     want = solves()
@@ -412,7 +412,7 @@ def test_compiled_exact_dp_honours_its_time_limit():
     with mock.patch.object(dp, "FAMILY_LIMIT", 0), mock.patch.object(time_kernel, "CHUNK", 64):
         with pytest.raises(FxplanError, match="stopped after"):
             dp.solve(cg, budget, exact=True, time_limit=0.0)
-        for smallest in (lambda: dp.min_budget_bytes(cg, exact=True, time_limit=0.0),
+        for smallest in (lambda: dp.min_activation_bytes(cg, exact=True, time_limit=0.0),
                          lambda: dp.solve(cg, None, strategy="memory", exact=True, time_limit=0.0)):
             dp.forget_context(cg)
             with pytest.raises(FxplanError, match="stopped after"):

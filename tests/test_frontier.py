@@ -61,7 +61,7 @@ def test_the_smallest_peak_from_the_frontiers_bottom_is_the_whole_frontiers(grap
     position = next(k for k, c in search._at.items() if c is smallest)
     assert search.frontier.grid_budget(position) is not None  # a plan of the grid, not the bottom's two
     bottom = search.bottom()
-    whole = search._smallest_of([*search.walk(), *search.floor()])
+    whole = search._smallest_of([*search.walk(), *search.others_smallest()])
     assert whole is smallest
     near = [c for c in search.candidates if c.replayed <= smallest.replayed * 1.01]
     assert len(near) > 1 and all(c in bottom for c in near)

@@ -77,7 +77,7 @@ def test_a_dp_that_cannot_add_its_smallest_plans_gives_no_advice_to_use_the_defa
                           "(memory); use the approximate DP (solver='approx', exact=False), or a smaller budget")
 
     monkeypatch.setattr(candidates, "exact_family_size", lambda cg: 10**6)  # the families differ: the other DP is asked
-    monkeypatch.setattr(candidates, "min_budget_bytes_graph", refuses)
+    monkeypatch.setattr(candidates, "predicted_min_budget_bytes_graph", refuses)
     with caplog.at_level(logging.DEBUG, logger="fxplan"):
         plans = candidates._floor_plans(cg, model, solver)
     assert plans  # Chen's plans are still there

@@ -15,7 +15,7 @@ def diamond_graph() -> CostGraph:
 
 def test_json_round_trip():
     cg = diamond_graph()
-    plan = dp.solve(cg, dp.min_budget_bytes(cg))
+    plan = dp.solve(cg, dp.min_activation_bytes(cg))
     again = Plan.from_json(plan.to_json())
     assert again == plan
     nested = chen.solve(cg, variant="recursive")
@@ -24,7 +24,7 @@ def test_json_round_trip():
 
 def test_summary_lists_segments_and_totals():
     cg = diamond_graph()
-    plan = dp.solve(cg, dp.min_budget_bytes(cg))
+    plan = dp.solve(cg, dp.min_activation_bytes(cg))
     text = plan.summary()
     assert "predicted peak" in text and "approx-dp" in text
     assert sum(1 for line in text.splitlines() if line.strip().startswith("[")) == plan.num_segments

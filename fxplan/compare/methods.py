@@ -265,9 +265,9 @@ def _planned_for_small_batch(ctx: Context, module: torch.nn.Module, strategy: st
 
 def _min_budget(ctx: Context) -> int:
     if "min_budget" not in ctx.cache:
-        from fxplan.planner.planning import min_budget_bytes
+        from fxplan.planner.planning import predicted_min_budget_bytes
 
-        ctx.cache["min_budget"] = min_budget_bytes(ctx.model, ctx.paper_inputs, solver="approx")
+        ctx.cache["min_budget"] = predicted_min_budget_bytes(ctx.model, ctx.paper_inputs, solver="approx")
     return ctx.cache["min_budget"]
 
 

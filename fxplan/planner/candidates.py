@@ -2,9 +2,9 @@
 
 A search's candidates (:mod:`fxplan.planner.search`, module docstring) are the solver's plans along its frontier
 (:class:`fxplan.planner.frontier.Frontier`), generated as they are asked for, and the other planners' plans at their
-smallest peaks (:func:`_floor_plans`). Each is a :class:`Candidate`: its replayed peak is computed when first asked
-for, and only as far as a comparison needs (:meth:`Candidate.replayed_up_to`); its measured peak, a fake step of its
-rewritten module (:class:`fxplan.planner.plan_meter.PlanMeter`), once measured. :func:`in_replay_order` hands them
+smallest peaks (:func:`_others_smallest_plans`). Each is a :class:`Candidate`: its replayed peak is computed when first
+asked for, and only as far as a comparison needs (:meth:`Candidate.replayed_up_to`); its measured peak, a fake step of
+its rewritten module (:class:`fxplan.planner.plan_meter.PlanMeter`), once measured. :func:`in_replay_order` hands them
 out by replayed peak, replaying each only as far as it could still come next. :class:`fxplan.planner.search.Search`
 chooses among them.
 """
@@ -24,7 +24,12 @@ from fxplan.common.console import format_count
 from fxplan.errors import FxplanError
 from fxplan.planner.frontier import SWEEP, Frontier, chen_plans, exact_family_size
 from fxplan.planner.plan_meter import PlanMeter
-from fxplan.planner.planning import check_choices, min_budget_bytes_graph, plan_graph, resident_bytes
+from fxplan.planner.planning import (
+    check_choices,
+    non_activation_bytes,
+    plan_graph,
+    predicted_min_budget_bytes_graph,
+)
 from fxplan.planner.replay import AboveCap, Replay, replay
 from fxplan.planner.step_model import StepModel, step_model
 from fxplan.rewriter.codegen import SegmentedModule
@@ -65,7 +70,7 @@ class Candidate:
     rejected: bool = False
     peaks: tuple[int, list[int]] | None = None  # (whole step, per segment), from ``replay_step``
     code: str | None = None  # the generated code measured (the module over the model must run it)
-    floor: int = 0  # a lower bound of the replayed peak, from a replay stopped at a cap (:meth:`replayed_up_to`)
+    replayed_at_least: int = 0  # a lower bound of the replayed peak, from a replay stopped at a cap (replayed_up_to)
     solvers: set[str] = field(default_factory=set)  # the solvers with this plan among theirs (Search._seeds)
 
     def _peaks(self) -> tuple[int, list[int]]:
@@ -82,13 +87,13 @@ class Candidate:
         if limit == math.inf:
             return self.replayed
         cap = int(limit * (1 + 1e-9)) + 1
-        if self.peaks is None and self.floor <= cap:
+        if self.peaks is None and self.replayed_at_least <= cap:
             r = self.replay_step(self.plan, int(cap * (1 + CAP_SLACK)))
             if isinstance(r, AboveCap):
-                self.floor = r.peak_bytes
+                self.replayed_at_least = r.peak_bytes
             else:
                 self.peaks = (r.peak_bytes, r.segment_peak_bytes)
-        return self.peaks[0] if self.peaks is not None else self.floor
+        return self.peaks[0] if self.peaks is not None else self.replayed_at_least
 
     @property
     def replayed(self) -> int:
@@ -122,23 +127,23 @@ class Candidates:
         self.frontier = Frontier(cg, model, solver)
         self._at: dict[int, Candidate | None] = {}  # the solver's own, by frontier position (None: no new plan)
         self._bottom_candidates: list[Candidate] | None = None  # :meth:`bottom`, once made
-        self._floor: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`floor`
+        self._others_smallest: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`others_smallest`
         self.meter = PlanMeter(cg, example_inputs, loss_fn)
 
     def _candidate(self, p: Plan, walk: bool) -> Candidate | None:
         """A new candidate for ``p`` (replayed when its peak is first asked for); None if a candidate has the same
-        plan. A plan of the frontier (``walk``) that one of :meth:`floor`'s has is the frontier's, whichever was
-        made first (the search for the smallest peak makes the floor first): the floor's candidate, with what it
+        plan. A plan of the frontier (``walk``) that one of :meth:`others_smallest` has is the frontier's, whichever
+        was made first (the search for the smallest peak makes the others' first): their candidate, with what it
         replayed and measured, moves to the frontier with the frontier's plan."""
-        same = [c for c in self.candidates + (self._floor or [])
+        same = [c for c in self.candidates + (self._others_smallest or [])
                 if c.plan.segments == p.segments and c.plan.children == p.children]
         if not same:
             return Candidate(p, self._replay, solvers={p.solver})
         c = same[0]
         c.solvers.add(p.solver)
-        if not walk or not any(f is c for f in self._floor or []):
+        if not walk or not any(f is c for f in self._others_smallest or []):
             return None
-        self._floor = [f for f in self._floor if f is not c]  # a new list: iterations of the old one go on
+        self._others_smallest = [f for f in self._others_smallest if f is not c]  # new: iterations of the old go on
         c.plan = p
         return c
 
@@ -171,7 +176,7 @@ class Candidates:
     def bottom(self) -> list[Candidate]:
         """The candidates that may have the smallest peak, in the frontier's order: generated from the frontier's
         bottom up (the memory-centric plan, the plan at the smallest predicted peak, then the grid's) until a plan
-        predicts a peak above ``REACH`` times the least replayed peak of these and :meth:`floor`'s (``REACH``
+        predicts a peak above ``REACH`` times the least replayed peak of these and :meth:`others_smallest`'s (``REACH``
         times the most any of them replayed below its prediction, where more than 1): the plans above it predict
         higher peaks still (the time-centric DP's plan for a larger budget recomputes less, and one that fitted
         the smaller budget would have been chosen for it). Chen's plans: all (they are made together)."""
@@ -180,7 +185,7 @@ class Candidates:
                 self._bottom_candidates = list(self.walk())
                 return self._bottom_candidates
             least, over, found = math.inf, 1.0, []
-            for c in self.floor():
+            for c in self.others_smallest():
                 least = min(least, c.replayed_up_to(least))
             for k in reversed(range(self.frontier.size)):
                 c = self._candidate_at(k)
@@ -196,16 +201,16 @@ class Candidates:
             self._bottom_candidates = found[::-1]
         return self._bottom_candidates
 
-    def floor(self) -> list[Candidate]:
-        """The other solvers' candidates at their smallest peaks (:func:`_floor_plans`), by recomputation."""
-        if self._floor is None:
-            self._floor = []
-            for p in _floor_plans(self.cg, self.model, self.solver):
+    def others_smallest(self) -> list[Candidate]:
+        """The other solvers' candidates at their smallest peaks (:func:`_others_smallest_plans`), by recomputation."""
+        if self._others_smallest is None:
+            self._others_smallest = []
+            for p in _others_smallest_plans(self.cg, self.model, self.solver):
                 c = self._candidate(p, walk=False)
                 if c is not None:
-                    self._floor.append(c)
-            self._floor.sort(key=lambda c: c.recompute)
-        return self._floor
+                    self._others_smallest.append(c)
+            self._others_smallest.sort(key=lambda c: c.recompute)
+        return self._others_smallest
 
     # ------------------------------------------------------------------------------------ measuring
     def measure(self, c: Candidate) -> int | None:
@@ -227,8 +232,8 @@ class Candidates:
         return c.replayed_up_to(budget / (self.ratio * (1 - MARGIN))) * self.ratio * (1 - MARGIN) <= budget
 
     def measured_candidates(self) -> list[Candidate]:
-        """The candidates measured so far, the solver's and :meth:`floor`'s."""
-        return [c for c in [*self.candidates, *(self._floor or [])] if c.measured is not None]
+        """The candidates measured so far, the solver's and :meth:`others_smallest`'s."""
+        return [c for c in [*self.candidates, *(self._others_smallest or [])] if c.measured is not None]
 
 
 def in_replay_order(candidates: list[Candidate], done: Callable[[Candidate], bool]) -> Iterator[Candidate]:
@@ -261,7 +266,7 @@ def in_replay_order(candidates: list[Candidate], done: Callable[[Candidate], boo
 _REPLAY_WINDOW = 2 * MARGIN
 
 
-def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Plan]:
+def _others_smallest_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Plan]:
     """For a DP solver, the other planners' plans at their smallest peaks: Chen's plans, and the other
     DP's time-centric plan at its smallest budget and memory-centric plan (where its family of lower
     sets differs from this solver's; otherwise its plans are this solver's). They join the candidates so
@@ -276,8 +281,8 @@ def _floor_plans(cg: CostGraph, model: torch.nn.Module, solver: str) -> list[Pla
     other = "exact" if solver == "approx" else "approx"
     if lower_sets != pruned and (other == "approx" or lower_sets is not None):
         try:
-            resident = resident_bytes(cg, model)
-            lo = min_budget_bytes_graph(cg, model, solver=other, memory_model=SWEEP, resident=resident)
+            resident = non_activation_bytes(cg, model)
+            lo = predicted_min_budget_bytes_graph(cg, model, solver=other, memory_model=SWEEP, resident=resident)
             plans += [plan_graph(cg, model, lo, strategy="time", solver=other, memory_model=SWEEP, resident=resident),
                       plan_graph(cg, model, None, strategy="memory", solver=other, memory_model=SWEEP,
                                  resident=resident)]

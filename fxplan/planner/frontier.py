@@ -29,7 +29,7 @@ import math
 import torch
 
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.planner.planning import min_budget_bytes_graph, plan_graph, resident_bytes
+from fxplan.planner.planning import non_activation_bytes, plan_graph, predicted_min_budget_bytes_graph
 from fxplan.solvers import chen, dp
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.lowersets import enumerate_lower_sets
@@ -92,7 +92,7 @@ class Frontier:
     @property
     def resident(self) -> int:
         if self._resident is None:
-            self._resident = resident_bytes(self.cg, self.model)  # once: it walks every parameter
+            self._resident = non_activation_bytes(self.cg, self.model)  # once: it walks every parameter
         return self._resident
 
     @property
@@ -148,7 +148,7 @@ class Frontier:
         ``max(FRONTIER_MIN, FRONTIER_WORK / nodes)`` points, evenly spaced in log between the two."""
         if self._targets is None:
             top = self._plan(0).predicted_peak_bytes
-            self._lo = lo = min_budget_bytes_graph(self.cg, self.model, solver=self.solver,
+            self._lo = lo = predicted_min_budget_bytes_graph(self.cg, self.model, solver=self.solver,
                                                    memory_model=None if self.large else SWEEP, resident=self.resident)
             step, most = (LARGE_STEP, LARGE_FRONTIER) if self.large else (STEP, FRONTIER)
             points = max(FRONTIER_MIN, min(most, FRONTIER_WORK // max(1, self.cg.number_of_nodes())))

@@ -208,7 +208,7 @@ def sub_plans(cg: CostGraph, names: list[str]) -> list[list[list[str]]]:
             found.append(p.segments)
 
     try:
-        lo = dp.min_budget_bytes(sub, memory_model=model)
+        lo = dp.min_activation_bytes(sub, memory_model=model)
         hi = dp.solve(sub, None, strategy="memory", memory_model=model)
         add(hi)
         top = dp.solve(sub, 2**62, strategy="time", memory_model=model).predicted_peak_bytes

@@ -28,8 +28,10 @@ SOLVERS = ("approx", "exact", "chen")
 STRATEGIES = ("time", "memory")
 
 
-def resident_bytes(cg: CostGraph, model: torch.nn.Module) -> int:
-    """Bytes held for the whole step besides activations: parameters, their gradients, buffers, inputs."""
+def non_activation_bytes(cg: CostGraph, model: torch.nn.Module) -> int:
+    """Bytes the memory model holds for the whole step beside activations: parameters, their gradients, buffers,
+    inputs (a measured step holds the gradients only once backward makes them; what it holds from its start is
+    :func:`fxplan.measure.meter.resident_bytes`)."""
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return int(cg.graph["param_bytes"] + grads + buffers + cg.graph["input_bytes"])
@@ -90,10 +92,11 @@ def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, 
                solver: str, memory_model=None, max_sets: int | None = None, resident: int | None = None) -> Plan:
     """The solver's plan for a whole-step budget in bytes (None: its smallest predicted peak), with
     whole-step predictions. No measurement: see ``fxplan.plan`` for plans held to measured peaks.
-    ``resident``: :func:`resident_bytes` if the caller has it (it walks every parameter)."""
-    resident = resident_bytes(cg, model) if resident is None else resident
+    ``resident``: :func:`non_activation_bytes` if the caller has it (it walks every parameter)."""
+    resident = non_activation_bytes(cg, model) if resident is None else resident
     if budget_bytes is None and strategy == "time" and solver != "chen":
-        budget_bytes = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model, resident=resident)
+        budget_bytes = predicted_min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model,
+                                                        resident=resident)
     activation_budget = None if budget_bytes is None else budget_bytes - resident
     try:
         result = solve_graph(cg, activation_budget, strategy=strategy, solver=solver, memory_model=memory_model,
@@ -101,7 +104,8 @@ def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, 
     except BudgetError as exc:
         smallest = None if exc.min_feasible_bytes is None else exc.min_feasible_bytes + resident
         if smallest is None and solver != "chen":
-            smallest = min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model, resident=resident)
+            smallest = predicted_min_budget_bytes_graph(cg, model, solver=solver, memory_model=memory_model,
+                                                        resident=resident)
         raise BudgetError(
             f"no {solver} plan fits a peak of {format_bytes(budget_bytes)}; the smallest feasible budget is "
             + (f"{format_bytes(smallest)} ({smallest} bytes)" if smallest else "unknown")
@@ -113,18 +117,19 @@ def plan_graph(cg: CostGraph, model: torch.nn.Module, budget_bytes: int | None, 
                    segment_peak_bytes=[b + resident for b in result.segment_peak_bytes])
 
 
-def min_budget_bytes_graph(cg: CostGraph, model: torch.nn.Module, *, solver: str = "approx",
-                           memory_model=None, resident: int | None = None) -> int:
+def predicted_min_budget_bytes_graph(cg: CostGraph, model: torch.nn.Module, *, solver: str = "approx",
+                                     memory_model=None, resident: int | None = None) -> int:
     """The smallest whole-step budget (bytes) for which the solver finds a plan (predicted); ``resident`` as
     :func:`plan_graph` takes it."""
     if solver not in ("approx", "exact"):
-        raise FxplanError(f"min_budget_bytes needs solver 'approx' or 'exact', got {solver!r}")
-    resident = resident_bytes(cg, model) if resident is None else resident
-    return dp.min_budget_bytes(cg, exact=solver == "exact", memory_model=memory_model) + resident
+        raise FxplanError(f"the smallest budget needs solver 'approx' or 'exact', got {solver!r}")
+    resident = non_activation_bytes(cg, model) if resident is None else resident
+    return dp.min_activation_bytes(cg, exact=solver == "exact", memory_model=memory_model) + resident
 
 
-def min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *, solver: str = "approx") -> int:
+def predicted_min_budget_bytes(model: torch.nn.Module, example_inputs: Sequence[Any], *,
+                               solver: str = "approx") -> int:
     """The smallest peak (bytes, whole step) any plan of ``solver`` is *predicted* to reach by its memory
     model. ``fxplan.min_budget_bytes`` is the measured one (the smallest budget ``fxplan.rewrite``
     accepts)."""
-    return min_budget_bytes_graph(trace(model, example_inputs), model, solver=solver)
+    return predicted_min_budget_bytes_graph(trace(model, example_inputs), model, solver=solver)

@@ -12,7 +12,7 @@ The search reconciles the two in a way that cannot depend on the budget asked fo
    family engine). A budget search takes them from the top; the search for the smallest peak from the bottom,
    as far as they may come near the smallest (:meth:`Search.bottom`, ``REACH``). For Chen's solver, the
    plans of Algorithm 3 over its grid of B (:func:`fxplan.solvers.chen.greedy_plans`) and the √n plan. A DP solver's
-   candidates also include the other planners' plans at their smallest peaks (``_floor_plans``: Chen's
+   candidates also include the other planners' plans at their smallest peaks (``_others_smallest_plans``: Chen's
    plans, the other DP's), so its smallest peak is at most any of theirs; ``solver="chen"`` is the paper's
    baseline and keeps to Chen's plans. The candidates are :mod:`fxplan.planner.candidates`' (generated, replayed
    and measured as they are asked for); this module chooses among them.
@@ -170,7 +170,7 @@ class Search(Candidates):
     # ------------------------------------------------------------------------------------ choosing
     def smallest(self) -> Candidate:
         """The candidate of least measured peak (ties: least recomputation)."""
-        best = self._smallest_of([*self.bottom(), *self.floor()])
+        best = self._smallest_of([*self.bottom(), *self.others_smallest()])
         if best is None:
             raise FxplanError("the rewriter rejected every candidate plan; see the debug log of 'fxplan'")
         return best
@@ -232,7 +232,7 @@ class Search(Candidates):
         less. Else None: :meth:`lowest` measures the canonical plans and judges this plan as before."""
         if not self.trust_replay or self.measured_candidates():
             return None
-        start = next(in_replay_order([*self.bottom(), *self.floor()], lambda c: False), None)
+        start = next(in_replay_order([*self.bottom(), *self.others_smallest()], lambda c: False), None)
         found = self._replayed_lowest(start) if start is not None else None
         if found is None or found is start:
             return None
@@ -250,7 +250,7 @@ class Search(Candidates):
         finds."""
         if self._lowest is not None:
             return self._lowest.measured <= bar
-        start = next(in_replay_order([*self.bottom(), *self.floor()], lambda c: False))
+        start = next(in_replay_order([*self.bottom(), *self.others_smallest()], lambda c: False))
         return self._replayed_lowest(start).peak * (1 - TRUST) <= bar
 
     def _replayed_lowest(self, start: Candidate) -> Candidate:
@@ -333,14 +333,14 @@ class Search(Candidates):
         finds, the same at every budget, so a budget above the canonical plans' smallest peak is not given more
         recomputation than a nested plan that fits it (which a smaller budget is given). They are looked for
         only where ``recompute`` is at least that of the least recomputing of the plans at the other solvers'
-        smallest peaks (:meth:`floor`; Chen's: all its plans), near which the nested search starts: the search
+        smallest peaks (:meth:`others_smallest`; Chen's: all its plans), near which the nested search starts: the search
         costs fake steps (at a middle budget of the synthetic 3,000-node network, 33 s became 100 s), and
         budgets well above the smallest peak have canonical plans that recompute less. Not a bound: a nested plan
         may recompute less than every one of those plans (a tiny Llama's smallest nested plan over every
         unit, 0.78 against 1.28) and so beat a canonical plan that recomputes less than they do."""
         if recompute <= 0:
             return None
-        reference = self.floor() or list(self.walk())
+        reference = self.others_smallest() or list(self.walk())
         if not reference or recompute < min(c.recompute for c in reference):
             return None
         while True:
@@ -384,7 +384,7 @@ class Search(Candidates):
         GiB) but goes from Chen's (2.76 GiB) to 2.25 GiB (docs/rewrite.md); at batch 8 four of Chen's plans
         measure the same peak and lead to different ends."""
         by_solver: dict[str, list[Candidate]] = {}  # a plan several solvers have is in each one's list
-        for c in [*self.bottom(), *self.floor()]:
+        for c in [*self.bottom(), *self.others_smallest()]:
             for solver in sorted(c.solvers):
                 by_solver.setdefault(solver, []).append(c)
         groups = []
@@ -417,7 +417,7 @@ class Search(Candidates):
         that candidate is the answer, in one fake step."""
         walk = self.bottom if near_smallest else self.walk
         if self.trust_replay and not self.measured_candidates():
-            first = next((c for plans in (walk, self.floor) for c in plans()
+            first = next((c for plans in (walk, self.others_smallest) for c in plans()
                           if c.replayed_up_to(budget) <= budget), None)
             if first is not None:
                 self.measure(first)
@@ -427,22 +427,22 @@ class Search(Candidates):
                 break
             found = self._better(c, found, budget)
         if found is None or found.recompute > 0:
-            for c in self.floor():
+            for c in self.others_smallest():
                 if found is not None and c.recompute > found.recompute:
                     break
                 found = self._better(c, found, budget)
         return found
 
-    def by_recompute(self, floor: bool = True) -> Iterator[Candidate]:
+    def by_recompute(self, others: bool = True) -> Iterator[Candidate]:
         """The candidates in order of non-decreasing recomputation, generated as they are asked for: the walk's,
-        and (``floor``) the other solvers' smallest plans (:meth:`floor`, made once a plan that recomputes
+        and (``others``) the other solvers' smallest plans (:meth:`others_smallest`, made once a plan that recomputes
         anything is asked for)."""
         walk = self.walk()
         first = next(walk, None)
         if first is not None:
             yield first
-        if floor:
-            yield from heapq.merge(walk, self.floor(), key=lambda c: c.recompute)
+        if others:
+            yield from heapq.merge(walk, self.others_smallest(), key=lambda c: c.recompute)
         else:
             yield from walk
 

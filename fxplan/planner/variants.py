@@ -399,11 +399,11 @@ class _CheapestFit:
         """Start the graphs whose regions' cost the order has reached."""
         while self.graphs and (not self.queue or self.graphs[0][0] <= self.queue[0][0]) and \
                 (self.best is None or self.graphs[0][0] <= self.best.cost[0]):
-            _, get, floor = self.graphs.pop(0)
+            _, get, others = self.graphs.pop(0)
             variant = get()
             if variant is None:  # only a graph with regions fails to be made (Searches._guarded warned)
                 raise _RegionsFailed
-            self._on(variant, lambda v=variant, f=floor: self._push(v, v.search.by_recompute(f)))
+            self._on(variant, lambda v=variant, o=others: self._push(v, v.search.by_recompute(o)))
 
     def _push(self, variant: Variant, stream: Iterator[Candidate]) -> None:
         c = next(stream, None)

@@ -63,7 +63,7 @@ from fxplan.solvers.memory_model import BoundModel, evaluate_chain
 from fxplan.solvers.plans import Plan
 
 __all__ = ["COMPILED_FAMILY_LIMIT", "DEFAULT_MAX_STATES", "DEFAULT_TIME_LIMIT", "FAMILY_LIMIT", "Context",
-           "context", "min_budget_bytes", "plan_from_chain", "solve", "forget_context"]
+           "context", "min_activation_bytes", "plan_from_chain", "solve", "forget_context"]
 
 FAMILY_LIMIT = 20_000
 """Exact DP uses the family engine up to this many lower sets, the search engine above."""
@@ -299,10 +299,11 @@ def _smallest_budget(ctx: Context, exact: bool, engine: str, time_limit: float |
 
 
 @collector.paused()
-def min_budget_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, engine: str = "auto",
-                     time_limit: float | None = DEFAULT_TIME_LIMIT,
-                     max_states: int | None = DEFAULT_MAX_STATES) -> int:
-    """The smallest budget (bytes) for which this DP finds a plan: min over plans of the predicted peak.
+def min_activation_bytes(cg: CostGraph, *, exact: bool = False, memory_model=None, engine: str = "auto",
+                         time_limit: float | None = DEFAULT_TIME_LIMIT,
+                         max_states: int | None = DEFAULT_MAX_STATES) -> int:
+    """The smallest budget (bytes) for which this DP finds a plan: min over plans of the predicted peak of the
+    memory model (activations; what a step holds from its start, parameters and inputs, is not in it).
 
     Exact for the family searched (all lower sets if ``exact``, else the pruned family), found directly by
     the "peak" DP (module docstring), not by binary search. ``time_limit`` and ``max_states``: see
