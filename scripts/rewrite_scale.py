@@ -58,21 +58,22 @@ from planner_scale import residual_net  # noqa: E402
 
 STAGES = {"trace": [(rewriting, "trace")], "capture": [(tracing, "capture"), (tracing, "export_after")],
           "probe": [(search, "step_model")], "solve": [(search, "plan_graph")],
-          "min": [(search, "predicted_min_budget_bytes_graph")], "replay": [(search, "replay")],
+          "min": [(search, "predicted_min_budget_bytes_graph"), (search, "min_budget_bytes_graph")],  # older name
+          "replay": [(search, "replay")],
           "codegen": [(meter, "segment_module")], "measure": [(meter, "measure_fake")],
           "region trace": [(variants, "trace")], "splice": [(variants, "spliced")]}
 try:  # the frontier's plans are solved in fxplan.planner.frontier (in fxplan.planner.search at older commits)
     from fxplan.planner import frontier
 
     STAGES["solve"].append((frontier, "plan_graph"))
-    STAGES["min"].append((frontier, "predicted_min_budget_bytes_graph"))
+    STAGES["min"] += [(frontier, "predicted_min_budget_bytes_graph"), (frontier, "min_budget_bytes_graph")]
 except ImportError:
     pass
 try:  # the candidates are made and replayed in fxplan.planner.candidates (in fxplan.planner.search at older commits)
     from fxplan.planner import candidates
 
     for stage, attr in (("probe", "step_model"), ("solve", "plan_graph"), ("min", "predicted_min_budget_bytes_graph"),
-                        ("replay", "replay")):
+                        ("min", "min_budget_bytes_graph"), ("replay", "replay")):
         STAGES[stage].append((candidates, attr))
 except ImportError:
     pass
