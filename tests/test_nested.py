@@ -299,7 +299,7 @@ def test_smallest_and_in_between_budgets_take_the_cheapest_nested_plan_measured(
     assert low.measured < flat.measured and pool
     # a plan of the lowest peak said to recompute less: the one every budget down to that peak must take
     best = min((m for m in pool if m.measured == low.replayed), key=lambda m: m.recompute_fraction)
-    pool.append(nested.Measured(best.blocks, best.measured, best.recompute_fraction / 2, best.seed, best.code))
+    pool.append(nested.NestedResult(best.blocks, best.measured, best.code, best.recompute_fraction / 2, best.seed))
     for budget in (low.measured, (low.measured + flat.measured) // 2):
         fits = [m.recompute_fraction for m in pool if m.measured <= budget]
         chosen = search.choose(budget, "time")

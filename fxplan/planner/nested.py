@@ -134,13 +134,15 @@ def measurement_budget(nodes: int) -> int:
 
 @dataclass
 class NestedResult:
-    """The best nested plan found: its blocks, measured peak, generated code and recompute fraction (``code``
-    None: ``measured`` is the replayed peak of a search that trusts the replay, not a measurement)."""
+    """A nested plan the search found: its blocks, measured peak, generated code and recompute fraction (``code``
+    None: ``measured`` is the replayed peak of a search that trusts the replay, not a measurement), and the
+    canonical plan its search started from (``seed``), where the search keeps it among those it measured."""
 
     blocks: list[Block]
     measured: int
     code: str | None
     recompute_fraction: float
+    seed: Plan | None = None
 
     def plan(self, cg: CostGraph, base: Plan) -> Plan:
         """``base`` with this result's segments, sub-plans (as ``children``), recomputation and measured peak."""
@@ -267,18 +269,6 @@ def _handed_on(blocks: list[Block]) -> Iterator[list[Block]]:
             yield _edited(blocks, li, shift)
 
 
-@dataclass
-class Measured:
-    """A nested plan the search measured: its blocks, measured peak (replayed where the search trusts the
-    replay, ``code`` None) and recompute fraction."""
-
-    blocks: list[Block]
-    measured: int
-    recompute_fraction: float
-    seed: Plan | None
-    code: str | None
-
-
 class NestedSearch:
     """Local search over nested plans from a canonical plan (module docstring)."""
 
@@ -297,7 +287,7 @@ class NestedSearch:
         self.measurements_left = self.max_measurements
         self.start_group()
         #: every nested plan measured, whatever its peak: the plans :meth:`cheapest` chooses from
-        self.measured: list[Measured] = []
+        self.measured: list[NestedResult] = []
         self._seed: Plan | None = None  # the starting plan of the current improve()
         self._T = {v: cg.nodes[v]["T"] for v in cg.nodes}  # forward costs, read by every tree priced
 
@@ -320,7 +310,7 @@ class NestedSearch:
         else:
             got = self.meter.measure([b.names for b in blocks], subplans.as_children(blocks))
         if got is not None and subplans.depth(blocks) > 1:
-            self.measured.append(Measured(blocks, got[0], self._recompute(blocks), self._seed, got[1]))
+            self.measured.append(NestedResult(blocks, got[0], got[1], self._recompute(blocks), self._seed))
         return got
 
     def cheapen(self, found: NestedResult, seed: Plan) -> NestedResult:
@@ -390,7 +380,7 @@ class NestedSearch:
         if not fits:
             return None
         m = min(fits, key=lambda m: (m.recompute_fraction, m.measured))
-        return NestedResult(m.blocks, m.measured, m.code, m.recompute_fraction), m.seed
+        return m, m.seed
 
     def _replayed(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> int:
         """The replayed peak of ``blocks`` (0 without a replay); above ``cap``, a lower bound of it above ``cap``:
