@@ -182,13 +182,19 @@ def _cases():
     return fixed + rand
 
 
-@pytest.mark.parametrize("case", _cases(), ids=lambda c: "T{}-M{}-{}-{}-{}".format(*c))
-def test_solver_gives_the_plain_scans_tables(case):
-    """The compiled hull-certified solver gives the plain scan's C, D and H, ties included, also where the
-    columns are not convex (MSM)."""
-    from fxplan.bptt.solvers import _solve_dp
+def _engines():
+    from fxplan.bptt.hull_dp import solve_tables
+    from fxplan.bptt.scan import scan_tables
 
-    for name, a, b in zip("CDH", _solve_dp(*case), plain_scan(*case)):  # m = 0 included: infeasible
+    return {"hull": solve_tables, "scan": scan_tables}
+
+
+@pytest.mark.parametrize("engine", ["hull", "scan"])
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: "T{}-M{}-{}-{}-{}".format(*c))
+def test_solver_gives_the_plain_scans_tables(case, engine):
+    """The compiled hull-certified kernel and the NumPy scan give the plain scan's C, D and H, ties included, also
+    where the columns are not convex (MSM)."""
+    for name, a, b in zip("CDH", _engines()[engine](*case), plain_scan(*case)):  # m = 0 included: infeasible
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
@@ -196,12 +202,12 @@ def test_solver_gives_the_plain_scans_tables(case):
 @given(t=st.integers(1, 70), m=st.integers(1, 50), kind=st.sampled_from(["hsm", "ism", "msm"]),
        alpha=st.integers(1, 10), beta_frac=st.floats(0, 1))
 def test_solver_gives_the_plain_scans_tables_random(t, m, kind, alpha, beta_frac):
-    from fxplan.bptt.solvers import _solve_dp
-
     case = {"hsm": (t, m, True, None, None), "ism": (t, m, False, 1, 1)}.get(
         kind, (t, m, True, alpha, 1 + round(beta_frac * (alpha - 1))))
-    for name, a, b in zip("CDH", _solve_dp(*case), plain_scan(*case)):
-        np.testing.assert_array_equal(a, b, err_msg=name)
+    want = plain_scan(*case)
+    for engine in _engines().values():
+        for name, a, b in zip("CDH", engine(*case), want):
+            np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 def test_msm_columns_are_not_convex():
@@ -318,3 +324,15 @@ def test_bad_arguments():
         optimal_cost("msm", 10, 3)
     with pytest.raises(FxplanError, match="beta"):
         optimal_cost("msm", 10, 3, alpha=2, beta=3)
+
+
+def test_a_problem_of_the_usual_size_is_solved_without_compiling():
+    """The paper's headline problem is scanned in NumPy: numba, which compiles the hull kernel on a machine's first
+    use (seconds), is not even loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fxplan.bptt as b; print(b.optimal_cost('ism', 1000, 50)); "
+            "print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(optimal_cost("ism", 1000, 50)), "False"]

@@ -44,7 +44,7 @@ from numba import njit
 from fxplan.bptt.policy import HIDDEN, INF, INTERNAL
 from fxplan.errors import FxplanError
 
-__all__ = ["T_LIMIT", "solve_tables"]
+__all__ = ["T_LIMIT", "kernel_signatures", "solve_tables"]
 
 #: Largest sequence length whose exact int64 arithmetic cannot overflow (products reach about t^3 / 2).
 T_LIMIT = 1_000_000
@@ -232,3 +232,8 @@ def solve_tables(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, be
     HT = np.zeros((m_max + 1, t_max + 1), dtype=np.int8)
     _fill(CT, DT, HT, bool(use_hidden), int(alpha or 0), int(beta or 0), INF, HIDDEN, INTERNAL)
     return CT.T.copy(), DT.T.copy(), HT.T.copy()
+
+
+def kernel_signatures() -> list:
+    """The signatures the kernel has been compiled (or loaded from numba's disk cache) for in this process."""
+    return _fill.signatures

@@ -24,21 +24,25 @@ Memory units and what the DP guarantees (checked by :mod:`fxplan.bptt.schedule`)
                  when its input hidden state is already stored (y = 1). Stored states count, the working
                  one does not (as in HSM), so ``C(t, 1) = t(t+1)/2`` and ``C(t, m >= alpha*t) = t``.
 
-The tables are filled by one compiled kernel (:mod:`fxplan.bptt.hull_dp`, numba), which evaluates
-only the positions ``2 <= y < t`` that the lower convex hulls of the columns ``C(., m)`` cannot rule out:
-appendix A's convexity speed-up made exact for MSM, whose columns are not convex. Its tables are those
-of a scan of every position, ties included (the first minimum in the order hidden y = 1, internal
-y = 1, hidden y = 2 .. t - 1, internal y = 2 .. t - 1, y = t; ``tests/test_bptt_solvers.py``).
+Small problems are scanned position by position in NumPy (:mod:`fxplan.bptt.scan`, no compiling) until a
+process has the compiled kernel; larger ones, and every one after, are filled by that kernel
+(:mod:`fxplan.bptt.hull_dp`, numba), which evaluates only the positions ``2 <= y < t`` that the lower convex
+hulls of the columns ``C(., m)`` cannot rule out: appendix A's convexity speed-up made exact for MSM, whose
+columns are not convex. Both give the tables of a scan of every position, ties included (the first minimum in
+the order hidden y = 1, internal y = 1, hidden y = 2 .. t - 1, internal y = 2 .. t - 1, y = t;
+``tests/test_bptt_solvers.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import numpy as np
 
 from fxplan.bptt.policy import HIDDEN, INF, INTERNAL, POLICIES, Policy
+from fxplan.bptt.scan import SCAN_WORK, scan_tables, scan_work
 from fxplan.bptt.schedule import simulate
 from fxplan.errors import BudgetError, FxplanError
 
@@ -76,10 +80,21 @@ def _alpha_beta(policy: str, alpha: int | None, beta: int | None) -> tuple[int |
 
 def _solve_dp(t_max: int, m_max: int, use_hidden: bool, alpha: int | None, beta: int | None):
     """Tables C, D, H (as ``C[t, m]``) of the recurrence in the module docstring, by the compiled kernel of
-    :mod:`fxplan.bptt.hull_dp` (imported here, not at import time: numba takes a while to load)."""
+    :mod:`fxplan.bptt.hull_dp` once this process has it, and until then, up to ``SCAN_WORK`` positions, by the
+    NumPy scan of :mod:`fxplan.bptt.scan`: loading numba and the kernel costs a process more than such a scan
+    (0.7 s and 0.5 s where numba's disk cache has the kernel), and compiling it, on a machine's first use,
+    seconds. Both give the same tables."""
+    if scan_work(t_max, m_max) <= SCAN_WORK and not _kernel_loaded():
+        return scan_tables(t_max, m_max, use_hidden, alpha, beta)
     from fxplan.bptt.hull_dp import solve_tables
 
     return solve_tables(t_max, m_max, use_hidden, alpha, beta)
+
+
+def _kernel_loaded() -> bool:
+    """Whether this process has compiled or loaded the hull kernel already."""
+    hull_dp = sys.modules.get("fxplan.bptt.hull_dp")
+    return hull_dp is not None and bool(hull_dp.kernel_signatures())
 
 
 @functools.lru_cache(maxsize=32)
