@@ -51,9 +51,10 @@ from typing import Any
 
 import torch
 
+from fxplan.capture.fakes import DATA_DEPENDENT
 from fxplan.capture.regions import Region, dropped_bytes, recompute_cost, regions_of, with_regions
 from fxplan.costs.trace import trace
-from fxplan.errors import BudgetError
+from fxplan.errors import BudgetError, FxplanError
 from fxplan.planner.candidates import Candidate
 from fxplan.planner.search import NEGLIGIBLE, Search, StepFloor, replayed_within_trust
 from fxplan.planner.splice import SpliceError, derived, spliced
@@ -340,11 +341,14 @@ class Searches:
         return all(v.search.trust_replay for v in self.variants) and replayed_within_trust(measured)
 
     def _guarded(self, run: Callable[[], Any]) -> Any:
-        """``run()`` on the graph with regions; where it fails (a model the regions do not suit), None and a
-        warning: the captured graph's answer stands, and the regions are not tried again."""
+        """``run()`` on the graph with regions; where the regions do not suit the model (fxplan refuses their graph
+        or plan, or a step with them fails in PyTorch), None and a warning: the captured graph's answer stands, and
+        the regions are not tried again. Any other error is fxplan's own and is raised."""
         try:
             return run()
-        except Exception as error:  # noqa: BLE001 (any failure of the optional graph leaves a complete answer)
+        except DATA_DEPENDENT:  # the model's step, not the regions: the entry point refuses it
+            raise
+        except (FxplanError, RuntimeError) as error:
             logger.warning("fxplan: planning with recomputed regions failed (%s: %s); planning without them",
                            type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
             self._regions, self._with_regions, self._subsets = [], None, {}
