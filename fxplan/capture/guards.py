@@ -247,6 +247,17 @@ def checked_for_host_draws(model: torch.nn.Module, capture_once: Callable[[], Ca
     return captured
 
 
+@contextlib.contextmanager
+def host_generators_kept() -> Iterator[None]:
+    """Python's and numpy's global random generators left as they were on the way in: for a step fxplan runs of
+    the model's own forward, which may draw from them (the captured graph does not)."""
+    before = _host_generator_states()
+    try:
+        yield
+    finally:
+        _set_host_generator_states(before)
+
+
 def _host_generator_states() -> tuple[Any, Any]:
     numpy = sys.modules.get("numpy")
     return random.getstate(), numpy.random.get_state() if numpy is not None else None

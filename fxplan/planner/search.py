@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from fxplan.capture.guards import host_generators_kept
 from fxplan.common.console import format_bytes
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.floor import physical_floor
@@ -138,7 +139,8 @@ class StepFloor:
         if self._bytes is None:
             model, inputs, loss_fn = self._args
             try:
-                self._bytes = physical_floor(model, inputs, loss_fn=loss_fn).bytes
+                with host_generators_kept():  # the model's own forward runs: it may draw (a LayerDrop)
+                    self._bytes = physical_floor(model, inputs, loss_fn=loss_fn).bytes
                 logger.debug("the physical floor of the step: %d bytes", self._bytes)
             except (FxplanError, RuntimeError) as error:  # the search goes on as without a floor
                 logger.debug("no physical floor of the step (%s)", str(error).splitlines()[0][:200])
