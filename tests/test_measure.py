@@ -172,3 +172,34 @@ def test_a_fake_copy_keeps_the_storages_parameters_share_or_view_in_part():
     assert copy.a.untyped_storage().nbytes() == copy.part.untyped_storage().nbytes() == 2 * 32 * 32 * 4
     assert copy.fc.weight.untyped_storage().nbytes() == 32 * 32 * 4
     assert copy.fc.weight.untyped_storage()._cdata != copy.fc.bias.untyped_storage()._cdata
+
+
+def test_a_sharded_step_counts_one_ranks_shard_of_the_parameters():
+    """FSDP2 on 4 ranks of a fake process group: the rank holds a quarter of each parameter, and each layer's
+    whole parameters only while it runs."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def shard(model):
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    x = torch.randn(8, 256)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        sharded = measure_step(model, (x,), fake=True, shard=shard)
+        with pytest.raises(FxplanError, match="before it is sharded"):
+            copy = nn.Sequential(nn.Linear(4, 4))
+            fully_shard(copy)
+            measure_step(copy, (torch.randn(2, 4),), fake=True, shard=lambda m: None)
+    finally:
+        dist.destroy_process_group()
+    whole = measure_step(model, (x,), fake=True)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert whole.breakdown["parameters"] == params
+    assert sharded.breakdown["parameters"] == params // 4
+    assert sharded.peak_bytes < whole.peak_bytes
