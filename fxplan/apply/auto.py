@@ -247,6 +247,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     # takes off or adds to the unplanned step, then lower it by each excess measured.
     target = None if budget is None else budget + unsharded - vanilla
     tried, lowered, smallest_tried = set(), 0, False
+    calls_seen: dict[tuple[str, ...], dict[str, dict[str, list[str]]]] = {}  # _matched's, by the regions' paths
     for attempt in range(MAX_TRIES):
         if attempt == MAX_TRIES - 1:
             target = None  # the last try, if none fitted: the planner's smallest plan
@@ -268,7 +269,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
         tried.add(signature)
         made = [_applied(model, call, cg, ops, graph_plan, regions_for(
             graph_plan, ops, captured.gm, tree, regionable, mapping=mapping, blocks=blocks), vanilla, budget,
-            loss_fn) for mapping in MAPPINGS]
+            loss_fn, calls_seen) for mapping in MAPPINGS]
         made = [a for a in made if a is not None]
         if meter.differs:
             made = _remeasured(model, call, made, meter)
@@ -307,11 +308,11 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
 
 def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, graph_plan: Plan,
              regions: list[RegionPlan], vanilla: int, budget: int | None,
-             loss_fn: Callable[[Any], torch.Tensor] | None) -> AppliedPlan | None:
+             loss_fn: Callable[[Any], torch.Tensor] | None, calls_seen: dict) -> AppliedPlan | None:
     """``regions`` checked against the model's forward (:func:`_matched`), applied to it and measured (fake
     tensors); None where the step with them fails."""
     try:
-        regions, peak = _matched(model, call, regions, loss_fn)
+        regions, peak = _matched(model, call, regions, loss_fn, calls_seen)
     except DATA_DEPENDENT:  # the step, not the mapping: refused by auto_checkpoint
         raise
     except RuntimeError as error:  # autograd or checkpointing refused the step: this mapping is not applied
@@ -373,19 +374,26 @@ def _better(a: AppliedPlan, b: AppliedPlan, budget: int | None) -> bool:
 
 
 def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
-             loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[list[RegionPlan], int]:
+             loss_fn: Callable[[Any], torch.Tensor] | None,
+             calls_seen: dict[tuple[str, ...], dict[str, dict[str, list[str]]]]) -> tuple[list[RegionPlan], int]:
     """``regions`` checked against the model's own forward in a fake step with the regions on, and that step's
     peak. An operator whose calls there are not the captured graph's (per operator, the same calls with the
     same output shapes) is marked unmatched, and its calls get the policy's default (a graph from torch.export
     can build an attention mask otherwise than the eager forward does); the decisions of the others fall on
     the calls they were made for. Where some operator is unmatched, the regions' decisions change and the step
-    is measured again."""
-    runtime.install(model, regions)
-    try:
-        with runtime.verifying() as seen:
-            peak = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
-    finally:
-        runtime.uninstall(model)
+    is measured again. The calls seen do not depend on the decisions: kept in ``calls_seen`` by the regions' paths,
+    they check regions on the same modules again, which are then measured once."""
+    paths = tuple(r.path for r in regions)
+    seen = calls_seen.get(paths)
+    peak = None
+    if seen is None:
+        runtime.install(model, regions)
+        try:
+            with runtime.verifying() as seen:
+                peak = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
+        finally:
+            runtime.uninstall(model)
+        calls_seen[paths] = seen
     checked = []
     for r in regions:
         expected, got = r.calls_by_op(), seen.get(r.path, {})
@@ -393,7 +401,7 @@ def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan
         if unmatched:
             logger.debug("fxplan: module %s: %s calls differ from the captured graph's", r.path, ", ".join(unmatched))
         checked.append(replace(r, unmatched=unmatched))
-    if any(r.unmatched for r in checked):
+    if peak is None or any(r.unmatched for r in checked):
         peak = _Meter(loss_fn).peak(model, call, checked)
     return checked, peak
 
