@@ -194,3 +194,19 @@ def test_a_model_no_mapping_lowers_is_left_as_it_is():
     plan = model.fxplan_plan
     assert plan.measured_peak_bytes <= plan.vanilla_peak_bytes
     assert not plan.regions or plan.measured_peak_bytes < plan.vanilla_peak_bytes
+
+
+def test_a_module_writing_into_its_input_in_place_is_no_region():
+    """Checkpoint would run such a module again from the values it wrote: it is left out, the others stay."""
+    from fxplan.apply.eligible import regionable_modules
+    from fxplan.capture.capturers import as_call
+
+    class AddOne(nn.Module):
+        def forward(self, x):
+            return x.add_(1)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), AddOne(), nn.ReLU(inplace=True), nn.Linear(32, 4))
+    regionable, _ = regionable_modules(model, as_call((torch.randn(8, 16),)), None)
+    assert {"0", "3"} <= regionable
+    assert not regionable & {"1", "2"}

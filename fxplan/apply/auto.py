@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fxplan.apply import runtime
+from fxplan.apply.eligible import module_tree, regionable_modules, repeated_blocks
 from fxplan.apply.op_map import node_ops
 from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for
 from fxplan.capture.capturers import ExampleCall, as_call
@@ -227,7 +228,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             meter: _Meter) -> AppliedPlan:
     t0 = time.perf_counter()
     loss_fn = meter.loss_fn
-    regionable, unsharded = _regionable(model, call, loss_fn)
+    regionable, unsharded = regionable_modules(model, call, loss_fn)
     vanilla = meter.peak(model, call, []) if meter.differs else unsharded
     unplanned = AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget,
                             compile_backend=meter.compile_backend, per_rank=meter.shard is not None)
@@ -238,7 +239,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     cg = trace(model, call, probe_units=solver != "chen")
     captured = cg.graph["captured"]
     ops = node_ops(model, captured, call)
-    tree, blocks = _module_tree(model), _blocks(model)
+    tree, blocks = module_tree(model), repeated_blocks(model)
     searches = Searches(cg, model, call, solver=solver, loss_fn=loss_fn)
     logger.info("fxplan: traced %s (%d nodes) in %.1f s; applying plans to its modules", type(model).__name__,
                 cg.number_of_nodes(), time.perf_counter() - t0)
@@ -426,55 +427,6 @@ def _recompute_fraction(cg: Any, ops: dict, regions: list[RegionPlan]) -> float:
     return recomputed / total
 
 
-def _module_tree(model: torch.nn.Module) -> dict[str, list[str]]:
-    tree: dict[str, list[str]] = {}
-    for path, module in model.named_modules():
-        tree[path] = [f"{path}.{name}" if path else name for name, _ in module.named_children()]
-    return tree
-
-
-def _blocks(model: torch.nn.Module) -> frozenset[str]:
-    """The paths of the items of the model's module lists and sequences: its repeated blocks."""
-    return frozenset(f"{path}.{name}" if path else name for path, module in model.named_modules()
-                     if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
-                     for name, _ in module.named_children())
-
-
-def _regionable(model: torch.nn.Module, call: ExampleCall,
-                loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[set[str], int]:
-    """The modules a fake step of ``model`` calls exactly once, with arguments that are tensors, numbers,
-    strings, None and containers of them (a region's decisions are for one call, and recomputation calls it
-    again with the same arguments, which another object, a Hugging Face ``DynamicCache`` the layer appends to,
-    would not be), and that unplanned step's peak."""
-    counts: dict[str, int] = {}
-    others: dict[str, str] = {}  # module path -> the type of an argument that is not plain
-    handles = []
-    for path, module in model.named_modules():
-        def hook(_m, args, kwargs, path=path):
-            counts[path] = counts.get(path, 0) + 1
-            for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if not _plain(leaf):
-                    others[path] = type(leaf).__name__
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        peak = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
-    finally:
-        for h in handles:
-            h.remove()
-    if others:
-        named = sorted(others)
-        hint = ("; a Hugging Face model trained with use_cache=False (model.config.use_cache = False) keeps no cache "
-                "and lets fxplan checkpoint its layers") if any(t.endswith("Cache") for t in others.values()) else ""
-        logger.info("fxplan: %s called with objects other than tensors (%s: %s%s) left unchanged%s",
-                    format_count(len(named), "module"), named[0], others[named[0]],
-                    f", and {len(named) - 1} more" if len(named) > 1 else "", hint)
-    return {path for path, n in counts.items() if n == 1 and path not in others}, peak
-
-
-def _plain(leaf: Any) -> bool:
-    return leaf is None or isinstance(leaf, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device))
-
-
 def _same_structure(model: torch.nn.Module, plan: AppliedPlan) -> bool:
     names = {name for name, _ in model.named_modules()}
     return all(r.path in names for r in plan.regions)
@@ -497,4 +449,3 @@ def _refuse_wrapped(model: torch.nn.Module) -> None:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise FxplanError("the model is wrapped in DistributedDataParallel: call fxplan.auto_checkpoint on the "
                           "model before wrapping it")
-
