@@ -79,7 +79,7 @@ def test_a_dp_that_cannot_add_its_smallest_plans_gives_no_advice_to_use_the_defa
     monkeypatch.setattr(candidates, "exact_family_size", lambda cg: 10**6)  # the families differ: the other DP is asked
     monkeypatch.setattr(candidates, "predicted_min_budget_bytes_graph", refuses)
     with caplog.at_level(logging.DEBUG, logger="fxplan"):
-        plans = candidates._floor_plans(cg, model, solver)
+        plans = candidates._others_smallest_plans(cg, model, solver)
     assert plans  # Chen's plans are still there
     said = [r for r in caplog.records if "smallest plans" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == level
