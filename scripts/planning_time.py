@@ -71,6 +71,10 @@ def _timed(fn, *args, **kwargs) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def _share(seconds: float, goal: float) -> str:
+    return f"{seconds:.1f} ({seconds / goal:.1f}x)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -87,17 +91,16 @@ def main() -> None:
         none_s, smallest = _timed(fxplan.rewrite, model, None, example_inputs=inputs, loss_fn=loss_fn)
         middle = (vanilla + smallest.fxplan_measured_peak_bytes) // 2
         mid_s, _ = _timed(fxplan.rewrite, model, budget_bytes=middle, example_inputs=inputs, loss_fn=loss_fn)
-        cells = [none_s, mid_s]
+        cells = [_share(none_s, goal), _share(mid_s, goal)]
         for budget in (None, middle):
             fxplan.remove_checkpoints(model)
             start = time.perf_counter()
             try:
                 fxplan.auto_checkpoint(model, example_inputs=inputs, loss_fn=loss_fn, budget_bytes=budget)
-                cells.append(f"{time.perf_counter() - start:.1f} ({(time.perf_counter() - start) / goal:.1f}x)")
-            except fxplan.BudgetError:  # the model's modules take no plan this low (ResNet's in-place ReLUs)
+                cells.append(_share(time.perf_counter() - start, goal))
+            except fxplan.BudgetError:  # the model's modules take no plan this low
                 cells.append(f"refused {time.perf_counter() - start:.1f}")
         fxplan.remove_checkpoints(model)
-        cells[:2] = [f"{c:.1f} ({c / goal:.1f}x)" for c in cells[:2]]
         row = "".join(f"{c:>13}" for c in cells)
         print(f"{name:<10}{capture:>10.2f}{goal:>8.1f}  {row}", flush=True)
     print("cells: seconds (share of the goal, 3x the capture + 2 s); refused: a BudgetError after that many seconds")

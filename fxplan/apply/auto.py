@@ -193,11 +193,8 @@ class _Meter:
         """The peak of one step of ``model`` with ``regions`` on."""
         if self.compile_backend is not None:
             return _compiled_peak(model, call, regions, self.loss_fn, self.compile_backend)
-        runtime.install(model, regions)
-        try:
+        with runtime.installed(model, regions):
             return measure_step(model, call, fake=True, loss_fn=self.loss_fn, shard=self.shard).peak_bytes
-        finally:
-            runtime.uninstall(model)
 
     def describe(self) -> str:
         return (f"compiled with {self.compile_backend}" if self.compile_backend else
@@ -352,13 +349,12 @@ def _remeasured(model: torch.nn.Module, call: ExampleCall, made: list[AppliedPla
 def _compiled_peak(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
                    loss_fn: Callable[[Any], torch.Tensor] | None, backend: str) -> int:
     """The peak of a real step of ``model`` with ``regions`` on, compiled with ``backend`` (compiled afresh)."""
-    runtime.install(model, regions)
-    try:
+    with runtime.installed(model, regions):
         torch._dynamo.reset()  # a cached graph of another plan of this model would be run, or recompiles exhausted
-        peak = measure_step(torch.compile(model, backend=backend), call, loss_fn=loss_fn).peak_bytes
-    finally:
-        runtime.uninstall(model)
-        torch._dynamo.reset()
+        try:
+            peak = measure_step(torch.compile(model, backend=backend), call, loss_fn=loss_fn).peak_bytes
+        finally:
+            torch._dynamo.reset()
     logger.info("fxplan: %s compiled with %s: measured peak %s", format_count(len(regions), "checkpointed module"),
                 backend, format_bytes(peak))
     return peak
@@ -388,12 +384,8 @@ def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan
     seen = calls_seen.get(paths)
     peak = None
     if seen is None:
-        runtime.install(model, regions)
-        try:
-            with runtime.verifying() as seen:
-                peak = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
-        finally:
-            runtime.uninstall(model)
+        with runtime.installed(model, regions), runtime.verifying() as seen:
+            peak = measure_step(model, call, fake=True, loss_fn=loss_fn).peak_bytes
         calls_seen[paths] = seen
     checked = []
     for r in regions:

@@ -11,8 +11,10 @@ drawn once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -125,6 +127,16 @@ def uninstall(model: torch.nn.Module) -> int:
                 del module.forward
             removed += 1
     return removed
+
+
+@contextlib.contextmanager
+def installed(model: torch.nn.Module, regions: list[RegionPlan]) -> Iterator[None]:
+    """``regions`` on ``model`` inside the block (:func:`install`), taken off again after it."""
+    install(model, regions)
+    try:
+        yield
+    finally:
+        uninstall(model)
 
 
 def verifying() -> _Verification:

@@ -44,12 +44,12 @@ class _StorageResizes:
 
     def __init__(self):
         self.trackers: list[StorageTracker] = []
-        self._own = self._original = None
+        self._own = None
 
     def enter(self, tracker: StorageTracker) -> None:
         if not self.trackers:
             self._own = torch.UntypedStorage.__dict__.get("resize_")  # None where it is StorageBase's
-            self._original = original = torch.UntypedStorage.resize_
+            original = torch.UntypedStorage.resize_
 
             def resize_(storage, size):
                 out = original(storage, size)
@@ -116,7 +116,7 @@ class StorageTracker(TorchDispatchMode):
                 self._add(storage, GATHERED, charged_bytes(storage.nbytes(), self.device))
             return
         nbytes, category, serial = entry
-        new = charged_bytes(storage.nbytes(), self.device) if storage.nbytes() else 0
+        new = charged_bytes(storage.nbytes(), self.device)
         self._live[key] = (new, category, serial)
         self._by_category[category] += new - nbytes
         self.current_bytes += new - nbytes

@@ -203,13 +203,15 @@ class Search(Candidates):
         and vouch for the replay itself: :meth:`_nested_first`); the plan it finds is then measured, and if
         the replay under-predicted it by more than ``TRUST``, the search is made again, measuring, unless by at
         most ``NESTED_SLACK`` with the plan still measuring below :meth:`smallest`'s: then it is kept at its
-        measured peak."""
+        measured peak. No nested search is made where :meth:`smallest` measures within ``FLOOR_SLACK`` of the
+        physical floor."""
         if self._lowest is None:
             self._lowest = self._nested_first()
-        if self._lowest is None and self.step_floor.reached(self.smallest().measured):
-            self._lowest = self.smallest()
         if self._lowest is None:
             smallest = self.smallest()  # measures the candidates the replay is judged by
+            if self.step_floor.reached(smallest.measured):  # what a nested plan could still gain is negligible
+                self._lowest = smallest
+                return smallest
             trusted = self._trusted()
             self._lowest = self._replayed_lowest(smallest) if trusted else self._nested_search(smallest, False)
             if trusted and self._lowest is not smallest:  # a nested plan found by replay (measured by now or not)
