@@ -210,3 +210,24 @@ def test_a_module_writing_into_its_input_in_place_is_no_region():
     regionable, _ = regionable_modules(model, as_call((torch.randn(8, 16),)), None)
     assert {"0", "3"} <= regionable
     assert not regionable & {"1", "2"}
+
+
+def test_a_drop_path_written_in_place_trains_exactly_whatever_the_decisions_around_it():
+    """timm's DropPath makes its mask with new_empty, fills it with bernoulli_ and scales it with div_ in place. An
+    in-place write takes the decision of the call that made what it writes: with the mask recomputed and div_ saved
+    over it (a mix an auto_checkpoint plan made), the recomputed mask was not scaled and gradients differed."""
+    timm = pytest.importorskip("timm")
+    from fxplan.apply import runtime
+
+    torch.manual_seed(0)
+    model = timm.create_model("convnext_atto", num_classes=5, drop_path_rate=0.1).train()
+    reference = copy.deepcopy(model)
+    mixed = RegionPlan("stages.3", ops=("aten.new_empty.default", "aten.bernoulli_.float", "aten.div_.Tensor") * 2
+                       + ("aten.mul.Tensor",) * 4, save=(False, False, True) * 2 + (True,) * 4)
+    x = torch.randn(2, 3, 64, 64)
+    with runtime.installed(model, [mixed]):
+        torch.manual_seed(1)
+        model(x).sum().backward()
+    torch.manual_seed(1)
+    reference(x).sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))

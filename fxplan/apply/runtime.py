@@ -32,14 +32,17 @@ _SEEN: dict[str, dict[str, list[str]]] | None = None
 
 class RegionPolicy:
     """The decisions of one region for one call of its forward: the ``n``-th call of an operator is saved or
-    recomputed as the region's plan says. A call the plan has no decision for is recomputed, unless it writes a
-    tensor the region did not make (saved, so that recomputation never writes it twice)."""
+    recomputed as the region's plan says. A call that writes in place into tensors the region made takes the
+    decision of the call that made them: a saved value written again in recomputation would be written twice, and a
+    write saved over a recomputed value would be lost to it (timm's DropPath: ``new_empty``, ``bernoulli_``, then
+    ``div_`` in place). A call the plan has no decision for is recomputed, unless it writes a tensor the region did
+    not make (saved, so that recomputation never writes it twice)."""
 
     def __init__(self, region: RegionPlan, decisions: dict[str, tuple[bool, ...]]):
         self.region = region
         self.decisions = decisions
         self.counts: dict[str, int] = defaultdict(int)
-        self.made: set[int] = set()  # storages the region's forward made so far
+        self.made: dict[int, bool] = {}  # storages the region's forward made so far -> whether their maker was saved
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if ctx.is_recompute:
@@ -51,11 +54,17 @@ class RegionPolicy:
         i = self.counts[name]
         self.counts[name] += 1
         flags = self.decisions.get(name)
-        if flags is not None and i < len(flags):
+        written = written_storages(func, args, kwargs)
+        outside = any(s not in self.made for s in written)
+        if written and not outside:
+            decision = any(self.made[s] for s in written)
+        elif flags is not None and i < len(flags):
             decision = flags[i]
         else:
-            decision = any(s not in self.made for s in written_storages(func, args, kwargs))
-        self.made.update(storage_key(t) for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+            decision = outside
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor):
+                self.made.setdefault(storage_key(t), decision)
         return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.MUST_RECOMPUTE
 
 
