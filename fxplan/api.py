@@ -26,10 +26,12 @@ from fxplan.capture.fakes import caches_kept_real, refusing_data_dependent
 from fxplan.capture.regions import with_regions
 from fxplan.common import collector
 from fxplan.common.console import format_bytes, format_count
+from fxplan.costs.host_link import host_link
 from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
-from fxplan.measure.meter import measure_step
+from fxplan.measure.meter import device_of, measure_step
 from fxplan.planner.planning import check_choices, whole_step_budget
+from fxplan.planner.offloading import OffloadSearch
 from fxplan.planner.variants import Searches
 from fxplan.rewriter.codegen import SegmentedModule, segment_module
 from fxplan.solvers.costgraph import CostGraph
@@ -50,6 +52,8 @@ def rewrite(
     plan: Plan | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     budget_bytes: int | None = None,
+    offload: bool = False,
+    host_bytes: int | None = None,
 ) -> torch.nn.Module:
     """A drop-in replacement of ``model`` that recomputes activations so one training step fits the budget.
 
@@ -61,6 +65,9 @@ def rewrite(
     module is returned that plans on the first call of each input shape (:class:`LazyRewrite`).
     ``plan`` skips planning and uses the given plan as is (measured when example inputs are given).
     ``loss_fn(output)`` is the loss used when measuring (default: sum of the outputs).
+    ``offload=True`` adds the third choice: a value the forward keeps for backward may be kept in host memory
+    instead, and brought back before backward reads it (:mod:`fxplan.planner.offloading`); the budget is then of
+    the device's bytes, and ``host_bytes`` bounds the host copies (None: no bound).
 
     The result is the plan of least recomputation whose measured peak fits (:mod:`fxplan.planner.search`); it
     carries ``fxplan_plan`` (replayed and measured peak, recompute fraction, segments) and
@@ -74,18 +81,31 @@ def rewrite(
         captured = _captured_for(model, example_inputs)
         gm = with_regions(captured, plan.regions).gm if plan.regions else captured.gm
         _check_fits(gm, plan, type(model).__name__)
-        module = segment_module(gm, plan.segments, plan.children)
-        measured = None
+        module = segment_module(gm, plan.segments, plan.children, plan.offloaded)
+        measured, host = None, plan.host_peak_bytes
         if example_inputs is not None:
-            measured = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn).peak_bytes
-        module.fxplan_plan = replace(plan, measured_peak_bytes=measured)
+            stats = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn)
+            measured, host = stats.peak_bytes, stats.host_peak_bytes if plan.offloaded else None
+        module.fxplan_plan = replace(plan, measured_peak_bytes=measured, host_peak_bytes=host)
         module.fxplan_measured_peak_bytes = measured
         return module
     budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
+    host_limit = _host_limit(offload, host_bytes)
     if example_inputs is None:
-        return LazyRewrite(model, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
-    return fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn)
+        return LazyRewrite(model, budget, strategy=strategy, solver=solver, loss_fn=loss_fn, offload=offload,
+                           host_limit=host_limit)
+    return fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn,
+                      offload=offload, host_limit=host_limit)
+
+
+def _host_limit(offload: bool, host_bytes: int | None) -> int | None:
+    """``host_bytes`` checked: a limit of host bytes only means something with ``offload=True``."""
+    if host_bytes is not None and not offload:
+        raise FxplanError("host_bytes limits the host memory of offloaded values: pass offload=True with it")
+    if host_bytes is not None and host_bytes < 0:
+        raise FxplanError(f"host_bytes must be at least 0, got {host_bytes}")
+    return host_bytes
 
 
 @refusing_data_dependent
@@ -98,6 +118,8 @@ def plan(
     solver: str = "approx",
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     budget_bytes: int | None = None,
+    offload: bool = False,
+    host_bytes: int | None = None,
 ) -> Plan:
     """The plan ``fxplan.rewrite`` would run for this budget: the same search, the same answer.
 
@@ -106,11 +128,12 @@ def plan(
     lower sets) or ``"chen"`` (Chen et al.'s Algorithm 3). The plan's ``predicted_peak_bytes`` is the
     replayed whole-step peak and ``measured_peak_bytes`` the measured one (fake tensors: nothing is
     allocated). Raises :class:`BudgetError` with ``min_feasible_bytes`` (measured bytes) if nothing fits.
+    ``offload`` and ``host_bytes`` as for :func:`rewrite`.
     """
     budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
     module = fit_budget(original_model(model), example_inputs, budget, strategy=strategy, solver=solver,
-                        loss_fn=loss_fn)
+                        loss_fn=loss_fn, offload=offload, host_limit=_host_limit(offload, host_bytes))
     return module.fxplan_plan
 
 
@@ -189,8 +212,11 @@ def fit_budget(
     strategy: str,
     solver: str,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    offload: bool = False,
+    host_limit: int | None = None,
 ) -> SegmentedModule:
-    """Trace, search (:mod:`fxplan.planner.search`) and return the chosen plan's module for ``budget_bytes``.
+    """Trace, search (:mod:`fxplan.planner.search`; with ``offload``, :mod:`fxplan.planner.offloading`) and return
+    the chosen plan's module for ``budget_bytes``.
 
     Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
     then the plan chosen, with seconds and fake-tensor steps."""
@@ -201,6 +227,8 @@ def fit_budget(
                 "the smallest peak" if budget_bytes is None else f"a budget of {format_bytes(budget_bytes)}")
     t1 = time.perf_counter()
     searches = Searches(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
+    if offload:
+        return _fit_with_offload(searches, budget_bytes, strategy, host_limit, t1)
     chosen = searches.choose(budget_bytes, strategy)
     module = chosen.variant.result(chosen.candidate, budget_bytes)
     plan = module.fxplan_plan
@@ -213,6 +241,19 @@ def fit_budget(
     note = budget_note(plan)
     if note:
         logger.info("fxplan: %s", note)
+    return module
+
+
+def _fit_with_offload(searches: Searches, budget_bytes: int | None, strategy: str, host_limit: int | None,
+                      start: float) -> SegmentedModule:
+    search = OffloadSearch(searches, host_link(device_of(searches.model, searches.inputs)), host_limit)
+    module = search.choose(budget_bytes, strategy)
+    plan = module.fxplan_plan
+    logger.info("fxplan: %s, recompute %.1f%%, %s offloaded (%s on the host), measured device peak %s; planned in "
+                "%.1f s (%d measured on fake tensors)", format_count(plan.num_segments, "segment"),
+                100 * plan.recompute_fraction, format_count(len(plan.offloaded), "value"),
+                format_bytes(plan.host_peak_bytes or 0), format_bytes(plan.measured_peak_bytes),
+                time.perf_counter() - start, searches.steps + search.steps)
     return module
 
 
@@ -239,14 +280,15 @@ class LazyRewrite(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, budget_bytes: int | None, *, strategy: str, solver: str,
-                 loss_fn: Callable[[Any], torch.Tensor] | None):
+                 loss_fn: Callable[[Any], torch.Tensor] | None, offload: bool = False, host_limit: int | None = None):
         super().__init__()
         self.__dict__["_modules"] = model._modules
         self.__dict__["_parameters"] = model._parameters
         self.__dict__["_buffers"] = model._buffers
         self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
         self.__dict__["_fxplan_original"] = model
-        self._settings = dict(budget_bytes=budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn)
+        self._settings = dict(budget_bytes=budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn,
+                              offload=offload, host_limit=host_limit)
         self._shapes: tuple | None = None
         self._planned: collections.OrderedDict[tuple, torch.nn.Module] = collections.OrderedDict()
         self._sign_forward()

@@ -44,7 +44,8 @@ class StepStats:
 
     ``peak_bytes`` counts every tensor the step holds: parameters, buffers, inputs, activations,
     gradients and backward temporaries. ``breakdown`` splits the live bytes at the peak moment by those
-    categories. ``meter`` says which meter produced the numbers.
+    categories. ``meter`` says which meter produced the numbers. ``host_peak_bytes`` is the most that the host
+    copies of offloaded values held at once (:mod:`fxplan.rewriter.offload`), apart from ``peak_bytes``.
     """
 
     peak_bytes: int
@@ -52,6 +53,7 @@ class StepStats:
     seconds: float
     meter: str
     timeline: list[tuple[str, int]] | None = field(default=None, repr=False)
+    host_peak_bytes: int = 0
 
     @property
     def peak_gib(self) -> float:
@@ -240,7 +242,7 @@ def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> Step
         del loss, out
     seconds = time.perf_counter() - start
     return StepStats(tracker.peak_bytes, _breakdown_at_peak(tracker, existing_grads(model)), seconds, meter,
-                     tracker.timeline)
+                     tracker.timeline, tracker.host_peak_bytes)
 
 
 def _breakdown_at_peak(tracker: StorageTracker, grads: list[torch.Tensor]) -> dict[str, int]:

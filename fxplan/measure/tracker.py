@@ -72,6 +72,13 @@ class _StorageResizes:
 _RESIZES = _StorageResizes()
 
 
+def count_as_host(t: torch.Tensor) -> None:
+    """Count ``t``'s storage, a copy an offloaded value keeps in host memory, as host bytes in every tracker active
+    now, apart from the device's: on the CPU host and device are one memory, and the copy would count twice."""
+    for tracker in _RESIZES.trackers:
+        tracker.move_to_host(t.untyped_storage())
+
+
 class StorageTracker(TorchDispatchMode):
     """Counts the bytes of every live tensor storage and the running peak.
 
@@ -96,6 +103,10 @@ class StorageTracker(TorchDispatchMode):
         # Serials of backward-created storages live at the peak, to tell gradients from temporaries later.
         self._backward_live: set[int] = set()
         self.peak_backward_serials: frozenset[int] = frozenset()
+        # Host copies of offloaded values (:func:`count_as_host`): not device bytes, counted on their own.
+        self._host: dict[int, int] = {}
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
 
     def __enter__(self):
         _RESIZES.enter(self)
@@ -122,6 +133,21 @@ class StorageTracker(TorchDispatchMode):
         self.current_bytes += new - nbytes
         self._note_peak()
 
+    def move_to_host(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage`` (tracked or not) as host memory from now on, and no longer as the device's."""
+        key = storage._cdata
+        if key in self._host:
+            return
+        self._release(key)
+        nbytes = storage.nbytes()
+        self._host[key] = nbytes
+        self.host_bytes += nbytes
+        self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+        weakref.finalize(storage, self._release_host, key)
+
+    def _release_host(self, key: int) -> None:
+        self.host_bytes -= self._host.pop(key, 0)
+
     def register(self, tensor: torch.Tensor, category: str) -> None:
         """Count an existing tensor's storage under ``category`` (once per storage; of a DTensor, its shard)."""
         tensor = local_tensor(tensor)
@@ -135,7 +161,7 @@ class StorageTracker(TorchDispatchMode):
         """Count ``storage`` as ``nbytes`` (what the device's allocator takes for it, the real kernel's size where a
         fake one differs: :mod:`fxplan.measure.scratch`)."""
         key = storage._cdata
-        if key in self._live:
+        if key in self._live or key in self._host:
             return
         serial = next(self._serials)
         self._live[key] = (nbytes, category, serial)

@@ -12,7 +12,7 @@ measured (:meth:`PlanMeter.module`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,8 @@ from fxplan.capture.capturers import as_call
 from fxplan.capture.fakes import to_fake
 from fxplan.common.console import format_count
 from fxplan.errors import FxplanError
-from fxplan.measure.meter import measure_fake
+from fxplan.measure.meter import StepStats, measure_fake
+from fxplan.rewriter import offload
 from fxplan.rewriter.codegen import SegmentedModule, segment_module
 from fxplan.solvers.costgraph import CostGraph
 
@@ -50,9 +51,27 @@ class PlanMeter:
         self.steps += 1
         return measure_fake(twin, inputs, fake_mode, self.loss_fn).peak_bytes, code_of(twin)
 
-    def module(self, segments: list[list[str]], children: dict, code: str | None) -> SegmentedModule:
+    def measure_offloaded(self, segments: list[list[str]], children: dict,
+                          offloaded: Sequence[str]) -> tuple[StepStats, list[tuple[str, int]], str] | None:
+        """One step of the plan's module with the values of ``offloaded`` kept in host memory
+        (:mod:`fxplan.rewriter.offload`): the step's figures, the values the step really offloaded (node name and
+        host bytes, in the order the forward saved them: :func:`fxplan.rewriter.offload.recording`) and the module's
+        code; None if the rewriter rejects the plan."""
+        gm, inputs, fake_mode = self._fake_graph()
+        try:
+            twin = segment_module(gm, segments, children, offloaded)
+        except FxplanError as exc:
+            logger.debug("offloading plan rejected by the rewriter: %s", exc)
+            return None
+        self.steps += 1
+        with offload.recording() as records:
+            stats = measure_fake(twin, inputs, fake_mode, self.loss_fn)
+        return stats, records, code_of(twin)
+
+    def module(self, segments: list[list[str]], children: dict, code: str | None,
+               offloaded: Sequence[str] = ()) -> SegmentedModule:
         """The plan's module over the model; it must run the code measured (``code``)."""
-        module = segment_module(self.cg.graph["gm"], segments, children)
+        module = segment_module(self.cg.graph["gm"], segments, children, offloaded)
         if code_of(module) != code:
             raise FxplanError("internal error: the module generated for the chosen plan differs from the "
                               "one measured; please report it with the model (measure_step it to check)")

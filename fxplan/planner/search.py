@@ -518,13 +518,16 @@ class Search(Candidates):
         """The chosen candidate's module, carrying its plan with replayed and measured peaks."""
         if c.module is None:
             c.module = self.meter.module(c.plan.segments, c.plan.children, c.code)
-        plan = replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
+        c.module.fxplan_plan = self.finished_plan(c, budget_bytes)
+        c.module.fxplan_measured_peak_bytes = c.measured
+        return c.module
+
+    def finished_plan(self, c: Candidate, budget_bytes: int | None) -> Plan:
+        """The candidate's plan with its replayed and measured peaks, the budget and what the step recomputes."""
+        return replace(c.plan, predicted_peak_bytes=c.replayed, segment_peak_bytes=list(c.segment_replayed),
                        memory_model=c.plan.memory_model if c.plan.children else "replay",
                        measured_peak_bytes=c.measured, budget_bytes=budget_bytes,
                        T_seconds=self.cg.graph.get("T_seconds"), early_stop_fraction=self._early_stop(c.plan))
-        c.module.fxplan_plan = plan
-        c.module.fxplan_measured_peak_bytes = c.measured
-        return c.module
 
 
 def replayed_within_trust(measured: list[Candidate]) -> bool:

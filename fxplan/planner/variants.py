@@ -60,7 +60,7 @@ from fxplan.planner.search import NEGLIGIBLE, Search, StepFloor, replayed_within
 from fxplan.planner.splice import SpliceError, derived, spliced
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers.costgraph import CostGraph
-from fxplan.solvers.plans import regions_recomputed
+from fxplan.solvers.plans import Plan, regions_recomputed
 
 logger = logging.getLogger("fxplan")
 
@@ -94,12 +94,20 @@ class Variant:
     def result(self, c: Candidate, budget_bytes: int | None) -> SegmentedModule:
         """The candidate's module; its plan names the regions and counts their recomputation."""
         module = self.search.result(c, budget_bytes)
-        if self.regions:
-            plan = module.fxplan_plan
-            share = self.region_T / plan.total_T if plan.total_T else 0.0
-            module.fxplan_plan = replace(plan, regions=[r.conv for r in self.regions], region_recompute_fraction=share,
-                                         recompute_fraction=plan.recompute_fraction + share)
+        module.fxplan_plan = self.with_regions(module.fxplan_plan)
         return module
+
+    def finished_plan(self, c: Candidate, budget_bytes: int | None) -> Plan:
+        """The candidate's plan as :meth:`result` gives it, without generating its module."""
+        return self.with_regions(self.search.finished_plan(c, budget_bytes))
+
+    def with_regions(self, plan: Plan) -> Plan:
+        """``plan`` naming this graph's regions and counting their recomputation."""
+        if not self.regions:
+            return plan
+        share = self.region_T / plan.total_T if plan.total_T else 0.0
+        return replace(plan, regions=[r.conv for r in self.regions], region_recompute_fraction=share,
+                       recompute_fraction=plan.recompute_fraction + share)
 
 
 @dataclass

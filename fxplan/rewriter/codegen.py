@@ -38,6 +38,7 @@ it is (:class:`SegmentedModule`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -51,6 +52,7 @@ import torch.fx as fx
 from fxplan.capture.graph_module import owning_graph_module, resolve_attr
 from fxplan.capture.portable import portable_target, restored
 from fxplan.errors import FxplanError
+from fxplan.rewriter import offload
 from fxplan.rewriter.emit import Emitter
 from fxplan.rewriter.planned_graph import Rewrite, split_off, validate
 from fxplan.rewriter.recompute import Segment, views_replayed
@@ -82,6 +84,7 @@ class SegmentedModule(fx.GraphModule):
     """
 
     fxplan_segments: tuple[tuple[str, ...], ...]
+    fxplan_offloaded: tuple[str, ...] = ()
 
     def recompile(self):
         result = super().recompile()
@@ -135,8 +138,18 @@ class SegmentedModule(fx.GraphModule):
                                "%s. Rewrite it for this call to plan it.", self._get_name(), why)
             return self._run_original(original, args, kwargs)
         graph_args, graph_kwargs = interface.graph_inputs(args, kwargs)
-        with views_replayed():
+        with views_replayed(), self._offloading(graph_args, graph_kwargs):
             return interface.output(self._fxplan_graph_forward(*graph_args, **graph_kwargs))
+
+    def _offloading(self, args: tuple, kwargs: dict[str, Any]) -> contextlib.AbstractContextManager:
+        """The session that keeps the plan's offloaded values in host memory (:mod:`fxplan.rewriter.offload`) for
+        one planned training forward; nothing where the plan offloads nothing."""
+        if not self.fxplan_offloaded:
+            return contextlib.nullcontext()
+        resident = [*self.parameters(), *self.buffers(),
+                    *(t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+        device = next((t.device for t in resident), torch.device("cpu"))
+        return offload.session_for(resident, device)
 
     def __getattr__(self, name: str) -> Any:
         """An attribute the module lacks is the original model's (``config``, ``generate``, ``save_pretrained``,
@@ -224,7 +237,7 @@ class SegmentedModule(fx.GraphModule):
         holder = copy.deepcopy(self._state_holder(), memo)
         graph = copy.deepcopy(self._fxplan_graph)
         new = segment_module(_graph_module(holder, graph, self._get_name()), self.fxplan_segments,
-                             self.fxplan_children)
+                             self.fxplan_children, self.fxplan_offloaded)
         memo[id(self)] = new
         for key, value in {**self._call_state(), **self._user_attrs()}.items():
             new.__dict__[key] = copy.deepcopy(value, memo)
@@ -235,7 +248,7 @@ class SegmentedModule(fx.GraphModule):
         # Attributes others attach (e.g. fxplan.rewrite's ``fxplan_plan``) survive copies.
         return {
             k: v for k, v in self.__dict__.items()
-            if k.startswith("fxplan_") and k not in ("fxplan_segments", "fxplan_children")
+            if k.startswith("fxplan_") and k not in ("fxplan_segments", "fxplan_children", "fxplan_offloaded")
         }
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -244,14 +257,15 @@ class SegmentedModule(fx.GraphModule):
         # ops whose arguments are all constants (an attention mask becomes a ``_tensor_constant``).
         state = {**self._call_state(), **self._user_attrs()}
         graph = _PortableGraph(self._fxplan_graph)
-        return (_rebuild, (self._state_holder(), graph, self.fxplan_segments, self._get_name(), self.fxplan_children),
-                state)
+        return (_rebuild, (self._state_holder(), graph, self.fxplan_segments, self._get_name(), self.fxplan_children,
+                           self.fxplan_offloaded), state)
 
 
 def _rebuild(
-    holder: torch.nn.Module, graph: _PortableGraph, segments: Any, class_name: str, children: Any = None
+    holder: torch.nn.Module, graph: _PortableGraph, segments: Any, class_name: str, children: Any = None,
+    offloaded: Sequence[str] = (),
 ) -> SegmentedModule:
-    return segment_module(_graph_module(holder, graph.restore(), class_name), segments, children)
+    return segment_module(_graph_module(holder, graph.restore(), class_name), segments, children, offloaded)
 
 
 class _PortableGraph:
@@ -298,7 +312,8 @@ def _graph_module(holder: torch.nn.Module, graph: fx.Graph, class_name: str) -> 
 
 
 def segment_module(
-    gm: fx.GraphModule, segments: Sequence[Sequence[str]], children: Mapping[str, Any] | None = None
+    gm: fx.GraphModule, segments: Sequence[Sequence[str]], children: Mapping[str, Any] | None = None,
+    offloaded: Sequence[str] = (),
 ) -> SegmentedModule:
     """Rewrite ``gm`` so that it runs ``segments`` as the canonical strategy prescribes.
 
@@ -312,6 +327,9 @@ def segment_module(
     nests plans (:mod:`fxplan.solvers.subplans`): such a segment calls its sub-segments, ``self.segment_i_j``,
     every one but the last checkpointed again inside it. In-place copies and the random-op order are
     decided on the innermost segments, so every value a recomputation at any level reads is protected.
+
+    ``offloaded`` (a plan's ``offloaded``) names the nodes whose values a training forward keeps in host memory
+    for backward (:mod:`fxplan.rewriter.offload`).
 
     Raises :class:`~fxplan.errors.FxplanError` for plans that are not such a sequence, or that
     would change what the model computes (random ops reordered, a read moved before the in-place
@@ -343,7 +361,10 @@ def segment_module(
     for v in nodes:
         if v.op == "placeholder":
             env[v] = top.node_copy(v)
-    emitter = Emitter(gm, {v: i for i, v in enumerate(nodes)}, blocks, iter(leaf_nodes), plain)
+    unknown = sorted(set(offloaded) - {v.name for v in rw.seg})
+    if unknown:
+        raise FxplanError(f"the plan offloads values of nodes the graph does not have: {unknown[:3]}")
+    emitter = Emitter(gm, {v: i for i, v in enumerate(nodes)}, blocks, iter(leaf_nodes), plain, frozenset(offloaded))
     seg_modules = emitter.emit(top, env, blocks, "segment")
 
     for u in output.all_input_nodes:
@@ -383,6 +404,7 @@ def segment_module(
     out._fxplan_graph = copy.deepcopy(gm.graph)
     out.fxplan_segments = tuple(tuple(b.names) for b in given)
     out.fxplan_children = subplans.as_children(given)
+    out.fxplan_offloaded = tuple(offloaded)
     out.training = gm.training  # not .train(): leave the submodules' own modes alone
     out._fxplan_warned = set()
     if "fxplan_call" in gm.meta:

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from fxplan.errors import FxplanError
+from fxplan.rewriter import offload
 from fxplan.rewriter.recompute import Segment
 from fxplan.solvers import subplans
 
@@ -26,21 +27,27 @@ def _segment_name(gm: torch.nn.Module, base: str, i: int) -> str:
     raise FxplanError(f"cannot find a free attribute name for segment {base}{i}")
 
 
-def _copy_nodes(g: fx.Graph, env: dict[fx.Node, fx.Node], block: list[fx.Node]) -> None:
-    """Copy ``block``'s nodes into ``g`` in order, with the attributes they read (``env`` maps inputs)."""
+def _copy_nodes(g: fx.Graph, env: dict[fx.Node, fx.Node], block: list[fx.Node],
+                offloaded: frozenset[str] = frozenset()) -> None:
+    """Copy ``block``'s nodes into ``g`` in order, with the attributes they read (``env`` maps inputs); a node in
+    ``offloaded`` is followed by the call that marks its value offloaded (:func:`fxplan.rewriter.offload.mark`)."""
     for v in block:
         for u in v.all_input_nodes:
             if u.op == "get_attr" and u not in env:
                 env[u] = g.node_copy(u)
         env[v] = g.node_copy(v, env.__getitem__)
+        if v.name in offloaded:
+            g.call_function(offload.mark, (env[v], v.name))
 
 
 class Emitter:
     """Emits blocks (and, recursively, their sub-blocks) as :class:`Segment` calls into a graph."""
 
     def __init__(self, gm: fx.GraphModule, pos: dict[fx.Node, int], blocks: list[subplans.Block],
-                 leaf_nodes: Iterator[list[fx.Node]], plain: set[int] | None = None):
+                 leaf_nodes: Iterator[list[fx.Node]], plain: set[int] | None = None,
+                 offloaded: frozenset[str] = frozenset()):
         self.gm, self.pos = gm, pos
+        self.offloaded = offloaded  # node names whose values are offloaded (:mod:`fxplan.rewriter.offload`)
         self.plain = plain or set()  # ids of one-op blocks emitted inline in their parent (not checkpointed)
         self.nodes: dict[int, list[fx.Node]] = {}  # id(block) -> its nodes (after in-place copies)
         self._assign(blocks, leaf_nodes)
@@ -64,7 +71,7 @@ class Emitter:
         for b in blocks:
             block = self.nodes[id(b)]
             if id(b) in self.plain:  # runs inline, never checkpointed on its own
-                _copy_nodes(g, env, block)
+                _copy_nodes(g, env, block, self.offloaded)
                 continue
             i += 1
             members = set(block)
@@ -87,7 +94,7 @@ class Emitter:
             recompute = b is not blocks[-1]
             inner: dict[str, Segment] = {}
             if b.sub is None:
-                _copy_nodes(sg, senv, block)
+                _copy_nodes(sg, senv, block, self.offloaded)
             else:
                 inner = self.emit(sg, senv, b.sub, name)
             if len(outputs) == 1:

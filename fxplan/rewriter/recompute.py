@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 from fxplan.capture import effects
 from fxplan.capture.graph_module import resolve_attr
 from fxplan.measure import scratch
+from fxplan.rewriter import offload
 
 #: Modules whose training-mode forward is known to update their own buffers.
 STATEFUL_NORMS = (torch.nn.modules.batchnorm._NormBase,)
@@ -249,7 +250,7 @@ class Segment(fx.GraphModule):
         children = self.fxplan_children
         return any(child.may_draw_random() for child in children.values()) or any(
             effects.may_draw_random(n, owner) for n in self.graph.nodes
-            if not (n.op == "call_module" and str(n.target) in children))
+            if not (n.op == "call_module" and str(n.target) in children) and n.target is not offload.mark)
 
     def own_generators(self) -> list[torch.Generator]:
         """The ``torch.Generator`` objects this segment's ops (its sub-segments' included) draw from by argument

@@ -100,6 +100,14 @@ class Plan:
                             (:mod:`fxplan.capture.recomputed_inputs`, named ``inputs:...``); empty when the plan runs on
                             the graph as captured
     ``region_recompute_fraction`` the part of ``recompute_fraction`` those regions recompute
+    ``offloaded``           nodes whose values the forward keeps in host memory for backward instead of on the
+                            device (:mod:`fxplan.solvers.offload`, run by :mod:`fxplan.rewriter.offload`); empty when
+                            nothing is offloaded
+    ``host_peak_bytes``     the most the host copies of the offloaded values hold at once, measured with
+                            ``measured_peak_bytes`` (which counts device bytes only)
+    ``copy_seconds``        predicted seconds of all the offloaded values' copies, out and back, per step
+    ``exposed_copy_seconds`` the part of ``copy_seconds`` that compute does not hide: what offloading adds to a step
+    ``host_link``           where the copies' bandwidth comes from (measured on a CUDA device, or the CPU's copy)
     """
 
     segments: list[list[str]]
@@ -123,6 +131,11 @@ class Plan:
     regions: list[str] = field(default_factory=list)
     region_recompute_fraction: float = 0.0
     early_stop_fraction: float = 0.0
+    offloaded: list[str] = field(default_factory=list)
+    host_peak_bytes: int | None = None
+    copy_seconds: float | None = None
+    exposed_copy_seconds: float | None = None
+    host_link: str = ""
 
     @property
     def num_segments(self) -> int:
@@ -192,8 +205,24 @@ class Plan:
                 lines.append(f"  {regions_recomputed(self.regions)} ({', '.join(values[:4])}"
                              f"{', …' if len(values) > 4 else ''}) dropped after the forward pass and recomputed "
                              f"in the backward of the nodes that keep them ({share})")
+        if self.offloaded:
+            lines.append(self._offload_line())
         lines += self._segment_lines("  ", top=True)
         return "\n".join(lines)
+
+    def _offload_line(self) -> str:
+        """What the plan offloads, the host bytes, and the copies' time against the compute that hides them."""
+        shown = ", ".join(self.offloaded[:4]) + (", …" if len(self.offloaded) > 4 else "")
+        line = f"  offloaded to host memory: {format_count(len(self.offloaded), 'value')} ({shown})"
+        if self.host_peak_bytes is not None:
+            line += f", {format_bytes(self.host_peak_bytes)} on the host at most (measured)"
+        if self.copy_seconds is not None and self.exposed_copy_seconds is not None:
+            hidden = self.copy_seconds - self.exposed_copy_seconds
+            line += (f"; copies predicted to take {_fmt_seconds(self.copy_seconds)}, {_fmt_seconds(hidden)} of it "
+                     f"hidden behind compute, adding {_fmt_seconds(self.exposed_copy_seconds)} to each step")
+        if self.host_link:
+            line += f" (link: {self.host_link})"
+        return line
 
     def _segment_lines(self, indent: str, top: bool) -> list[str]:
         """One line per segment; a nested segment's sub-segments (``children``) indented below it."""
