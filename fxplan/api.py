@@ -30,8 +30,8 @@ from fxplan.costs.host_link import host_link
 from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import device_of, measure_step
-from fxplan.planner.planning import check_choices, whole_step_budget
 from fxplan.planner.offloading import OffloadSearch
+from fxplan.planner.planning import check_choices, whole_step_budget
 from fxplan.planner.variants import Searches
 from fxplan.rewriter.codegen import SegmentedModule, segment_module
 from fxplan.solvers.costgraph import CostGraph
