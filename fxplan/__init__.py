@@ -7,7 +7,8 @@ Public modules besides what is re-exported here: ``fxplan.costs.trace`` (model -
 
 from fxplan import bptt
 from fxplan.api import min_budget_bytes, plan, rewrite
-from fxplan.apply.auto import AppliedPlan, auto_checkpoint, remove_checkpoints
+from fxplan.apply.applied import AppliedPlan
+from fxplan.apply.auto import auto_checkpoint, remove_checkpoints
 from fxplan.errors import BudgetError, FxplanError, TraceError
 from fxplan.measure.meter import StepStats, measure_step
 from fxplan.measure.tracker import track_memory

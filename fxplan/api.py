@@ -31,7 +31,7 @@ from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import device_of, measure_step
 from fxplan.planner.offloading import OffloadSearch
-from fxplan.planner.planning import check_choices, whole_step_budget
+from fxplan.planner.planning import check_choices, host_limit, whole_step_budget
 from fxplan.planner.variants import Searches
 from fxplan.rewriter.codegen import SegmentedModule, segment_module
 from fxplan.solvers.costgraph import CostGraph
@@ -91,21 +91,12 @@ def rewrite(
         return module
     budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
-    host_limit = _host_limit(offload, host_bytes)
+    host = host_limit(offload, host_bytes)
     if example_inputs is None:
         return LazyRewrite(model, budget, strategy=strategy, solver=solver, loss_fn=loss_fn, offload=offload,
-                           host_limit=host_limit)
+                           host_limit=host)
     return fit_budget(model, example_inputs, budget, strategy=strategy, solver=solver, loss_fn=loss_fn,
-                      offload=offload, host_limit=host_limit)
-
-
-def _host_limit(offload: bool, host_bytes: int | None) -> int | None:
-    """``host_bytes`` checked: a limit of host bytes only means something with ``offload=True``."""
-    if host_bytes is not None and not offload:
-        raise FxplanError("host_bytes limits the host memory of offloaded values: pass offload=True with it")
-    if host_bytes is not None and host_bytes < 0:
-        raise FxplanError(f"host_bytes must be at least 0, got {host_bytes}")
-    return host_bytes
+                      offload=offload, host_limit=host)
 
 
 @refusing_data_dependent
@@ -133,7 +124,7 @@ def plan(
     budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
     module = fit_budget(original_model(model), example_inputs, budget, strategy=strategy, solver=solver,
-                        loss_fn=loss_fn, offload=offload, host_limit=_host_limit(offload, host_bytes))
+                        loss_fn=loss_fn, offload=offload, host_limit=host_limit(offload, host_bytes))
     return module.fxplan_plan
 
 

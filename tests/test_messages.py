@@ -14,7 +14,7 @@ from torch import nn
 
 import fxplan
 from fxplan import BudgetError, FxplanError, cli
-from fxplan.apply.auto import AppliedPlan
+from fxplan.apply.applied import AppliedPlan
 from fxplan.apply.regions import RegionPlan
 from fxplan.common.console import format_count
 from fxplan.compare.driver import Comparison, Row

@@ -164,3 +164,36 @@ def test_a_device_budget_is_held_with_the_host_copies_within_their_limit(llama_o
 def test_a_host_limit_without_offloading_is_refused():
     with pytest.raises(FxplanError, match="offload=True"):
         fxplan.plan(torch.nn.Linear(2, 2), (torch.randn(1, 2),), host_bytes=1000)
+
+
+def test_auto_checkpoint_offloads_what_its_modules_save_and_trains_exactly():
+    ids = torch.randint(0, 256, (4, 128), generator=torch.Generator().manual_seed(0))
+    model = _llama()
+    reference = copy.deepcopy(model)
+    vanilla = fxplan.measure_step(model, (ids,), fake=True, loss_fn=_logits_sum).peak_bytes
+    recomputation_alone = fxplan.auto_checkpoint(copy.deepcopy(model), example_inputs=(ids,),
+                                                 loss_fn=_logits_sum).fxplan_plan
+    fxplan.auto_checkpoint(model, example_inputs=(ids,), loss_fn=_logits_sum, offload=True)
+    applied = model.fxplan_plan
+    assert applied.offloaded_calls > 0 and applied.host_peak_bytes > 0
+    assert applied.measured_peak_bytes < min(recomputation_alone.measured_peak_bytes, vanilla)
+    assert "offloaded to host memory" in applied.summary()
+    # A real CPU step, device and host apart. The model's own forward runs there, whose attention mask takes a
+    # shortcut on real values that a fake step cannot take: the fake peak is an upper bound.
+    real = fxplan.measure_step(model, (ids,), loss_fn=_logits_sum)
+    assert real.peak_bytes <= applied.measured_peak_bytes and real.host_peak_bytes == applied.host_peak_bytes
+    again = type(applied).from_json(applied.to_json())
+    assert again.regions == applied.regions and again.host_peak_bytes == applied.host_peak_bytes
+
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (reference, model)]
+    for _ in range(2):
+        losses = []
+        for m, optimizer in zip((reference, model), optimizers):
+            optimizer.zero_grad()
+            loss = _logits_sum(m(ids))
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), name

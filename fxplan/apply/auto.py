@@ -13,29 +13,32 @@ a second model of the same class and shapes is applied without planning again.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from fxplan.apply import runtime
+from fxplan.apply.applied import AppliedPlan
 from fxplan.apply.eligible import module_tree, regionable_modules, repeated_blocks
+from fxplan.apply.offloaded import OffloadedStep, RegionOffloads, call_nodes, without_offloads
 from fxplan.apply.op_map import node_ops
-from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for
+from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for, worth_saving
 from fxplan.capture.capturers import ExampleCall, as_call
 from fxplan.capture.fakes import DATA_DEPENDENT, caches_kept_real, has_fake, refusing_data_dependent
 from fxplan.capture.guards import is_compiled, is_sharded
 from fxplan.common import collector
 from fxplan.common.console import format_bytes, format_count
+from fxplan.costs.host_link import host_link
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.measure.meter import measure_step
-from fxplan.planner.planning import check_choices, whole_step_budget
+from fxplan.measure.meter import device_of, measure_step
+from fxplan.planner.planning import check_choices, host_limit, whole_step_budget
 from fxplan.planner.variants import Searches
+from fxplan.rewriter import offload as offload_runtime
 from fxplan.solvers.plans import Plan
 
 logger = logging.getLogger("fxplan")
@@ -44,61 +47,6 @@ logger = logging.getLogger("fxplan")
 MAX_TRIES = 6
 
 _KEPT: dict[tuple, AppliedPlan] = {}  # plans made in this process, by model class, input shapes and settings
-
-
-@dataclass
-class AppliedPlan:
-    """A plan as applied to a model's modules: the checkpointed regions, what a step measured, and for what."""
-
-    model_class: str
-    input_shapes: str
-    regions: list[RegionPlan]
-    measured_peak_bytes: int
-    vanilla_peak_bytes: int
-    budget_bytes: int | None
-    graph_plan: Plan | None = field(default=None, repr=False)  # the planner's plan it carries (not saved)
-    recompute_fraction: float = 0.0  # of one forward pass's cost, as the cost graph prices the recomputed nodes
-    compile_backend: str | None = None  # the torch.compile backend its peaks were measured under, if any
-    per_rank: bool = False  # its peaks are of one rank of a sharded run (auto_checkpoint's shard=)
-
-    def summary(self) -> str:
-        saved = sum(r.saved_calls for r in self.regions)
-        calls = sum(len(r.ops) for r in self.regions)
-        budget = "the smallest peak" if self.budget_bytes is None else f"a budget of {format_bytes(self.budget_bytes)}"
-        meter = ("fake tensors, exact" if self.compile_backend is None else
-                 f"a real step compiled with torch.compile(backend={self.compile_backend!r})")
-        if self.per_rank:
-            meter += ", one rank of the model sharded by shard="
-        lines = [
-            f"fxplan plan applied to {self.model_class} for {budget} (input shapes {self.input_shapes})",
-            f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
-            f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; {meter})",
-            f"  {format_count(len(self.regions), 'checkpointed module')}; of their {format_count(calls, 'op call')}, "
-            f"{saved} saved and {calls - saved} recomputed in backward",
-            f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass (cost model)",
-        ]
-        for r in self.regions[:12]:
-            lines.append(f"    {r.path}: {r.saved_calls} of {format_count(len(r.ops), 'op call')} saved")
-        if len(self.regions) > 12:
-            lines.append(f"    ... and {len(self.regions) - 12} more")
-        return "\n".join(lines)
-
-    def to_json(self) -> str:
-        return json.dumps({
-            "model_class": self.model_class, "input_shapes": self.input_shapes,
-            "regions": [r.to_dict() for r in self.regions], "measured_peak_bytes": self.measured_peak_bytes,
-            "vanilla_peak_bytes": self.vanilla_peak_bytes, "budget_bytes": self.budget_bytes,
-            "recompute_fraction": self.recompute_fraction, "compile_backend": self.compile_backend,
-            "per_rank": self.per_rank,
-        })
-
-    @staticmethod
-    def from_json(text: str) -> AppliedPlan:
-        d = json.loads(text)
-        return AppliedPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
-                           d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
-                           recompute_fraction=d.get("recompute_fraction", 0.0),
-                           compile_backend=d.get("compile_backend"), per_rank=d.get("per_rank", False))
 
 
 @refusing_data_dependent
@@ -116,6 +64,8 @@ def auto_checkpoint(
     plan: AppliedPlan | None = None,
     compile_backend: str | None = None,
     shard: Callable[[torch.nn.Module], Any] | None = None,
+    offload: bool = False,
+    host_bytes: int | None = None,
 ) -> torch.nn.Module:
     """Plan ``model`` for a budget and apply the plan to its own modules; returns ``model`` itself.
 
@@ -142,6 +92,11 @@ def auto_checkpoint(
     rank's batch. Call it on every rank after ``init_process_group`` and before sharding the model itself; the
     planning exchanges nothing between ranks.
 
+    ``offload=True`` adds the third choice (:mod:`fxplan.planner.offloading`): an op output a checkpointed module
+    saves may be kept in host memory instead and brought back before backward reads it; the budget is then of the
+    device's bytes, and ``host_bytes`` bounds the host copies. Values outside the checkpointed modules stay on the
+    device.
+
     Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the smallest peak measured.
     """
     if not isinstance(model, torch.nn.Module):
@@ -161,12 +116,18 @@ def auto_checkpoint(
     if compile_backend is not None and shard is not None:
         raise FxplanError("compile_backend and shard cannot be used together yet: fxplan measures compiled steps "
                           "unsharded; plan with shard= for the per-rank budget of the eager step")
+    if offload and (compile_backend is not None or shard is not None):
+        raise FxplanError("offload=True cannot be used with compile_backend or shard yet: offloaded values are copied "
+                          "by saved-tensor hooks of the eager, unsharded step")
+    host = host_limit(offload, host_bytes)
+    key += (offload, host)
     meter = _Meter(loss_fn, None if has_fake(model, (call.args, call.kwargs)) else compile_backend, shard)
     if plan is not None:
         return _apply_given(model, plan, call, meter)
     if compile_backend is not None and meter.compile_backend is None:
         raise FxplanError("compile_backend measures real compiled steps: give example_inputs as real tensors")
-    applied = _search(model, call, budget, strategy=strategy, solver=solver, meter=meter)
+    applied = _search(model, call, budget, strategy=strategy, solver=solver, meter=meter,
+                      offload=(offload, host))
     _KEPT[key] = applied
     runtime.install(model, applied.regions)
     model.fxplan_plan = applied
@@ -191,10 +152,15 @@ class _Meter:
 
     def peak(self, model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan]) -> int:
         """The peak of one step of ``model`` with ``regions`` on."""
+        return self.peaks(model, call, regions)[0]
+
+    def peaks(self, model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan]) -> tuple[int, int]:
+        """The device peak of one step of ``model`` with ``regions`` on, and the host copies' peak."""
         if self.compile_backend is not None:
-            return _compiled_peak(model, call, regions, self.loss_fn, self.compile_backend)
+            return _compiled_peak(model, call, regions, self.loss_fn, self.compile_backend), 0
         with runtime.installed(model, regions):
-            return measure_step(model, call, fake=True, loss_fn=self.loss_fn, shard=self.shard).peak_bytes
+            stats = measure_step(model, call, fake=True, loss_fn=self.loss_fn, shard=self.shard)
+        return stats.peak_bytes, stats.host_peak_bytes
 
     def describe(self) -> str:
         return (f"compiled with {self.compile_backend}" if self.compile_backend else
@@ -210,11 +176,14 @@ def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall, m
     if plan.model_class != type(model).__qualname__:
         raise FxplanError(f"this plan was made for {plan.model_class}, not {type(model).__qualname__}; plan this "
                           "model with fxplan.auto_checkpoint(model, ..., example_inputs=...)")
-    measured = meter.peak(model, call, plan.regions)
+    if plan.offloaded_calls and meter.differs:
+        raise FxplanError("this plan offloads, and offloaded values are copied by saved-tensor hooks of the eager, "
+                          "unsharded step: apply it without compile_backend or shard")
+    measured, host = meter.peaks(model, call, plan.regions)
     runtime.install(model, plan.regions)
-    model.fxplan_plan = AppliedPlan(plan.model_class, _shapes(call), plan.regions, measured, plan.vanilla_peak_bytes,
-                                    plan.budget_bytes, plan.graph_plan, plan.recompute_fraction,
-                                    meter.compile_backend, meter.shard is not None)
+    model.fxplan_plan = replace(plan, input_shapes=_shapes(call), measured_peak_bytes=measured,
+                                compile_backend=meter.compile_backend, per_rank=meter.shard is not None,
+                                host_peak_bytes=host)
     if plan.input_shapes != model.fxplan_plan.input_shapes:
         logger.warning("fxplan: this plan was made for input shapes %s and is applied for %s (measured peak %s)",
                        plan.input_shapes, model.fxplan_plan.input_shapes, format_bytes(measured))
@@ -222,7 +191,7 @@ def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall, m
 
 
 def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, strategy: str, solver: str,
-            meter: _Meter) -> AppliedPlan:
+            meter: _Meter, offload: tuple[bool, int | None] = (False, None)) -> AppliedPlan:
     t0 = time.perf_counter()
     loss_fn = meter.loss_fn
     regionable, unsharded = regionable_modules(model, call, loss_fn)
@@ -236,8 +205,9 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     cg = trace(model, call, probe_units=solver != "chen")
     captured = cg.graph["captured"]
     ops = node_ops(model, captured, call)
-    tree, blocks = module_tree(model), repeated_blocks(model)
+    tree, blocks, worth = module_tree(model), repeated_blocks(model), worth_saving(cg)
     searches = Searches(cg, model, call, solver=solver, loss_fn=loss_fn)
+    offloads = _region_offloads(model, call, cg, ops, loss_fn, offload[1]) if offload[0] else None
     logger.info("fxplan: traced %s (%d nodes) in %.1f s; applying plans to its modules", type(model).__name__,
                 cg.number_of_nodes(), time.perf_counter() - t0)
     best: AppliedPlan | None = None
@@ -249,38 +219,43 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     for attempt in range(MAX_TRIES):
         if attempt == MAX_TRIES - 1:
             target = None  # the last try, if none fitted: the planner's smallest plan
-        if target is None:
+        if target is None and not (offloads is not None and attempt == 0):
             if smallest_tried:
                 break
             smallest_tried = True
+        least = offloads is not None and attempt == 0  # offloading first tries the plan of least recomputation
         try:
-            choice = searches.choose(target, strategy, report_smallest=False)
+            graph_plan = _graph_plan(searches, target, strategy, least=least)
         except BudgetError:  # below the planner's smallest: try the smallest itself
             target = None
             continue
-        graph_plan = choice.variant.result(choice.candidate, target).fxplan_plan
         signature = (tuple(map(tuple, graph_plan.segments)), tuple(graph_plan.regions or ()))
         if signature in tried:  # the planner's plan for a lower budget is one measured already: lower further
             lowered *= 2
             target = target - lowered if target is not None and lowered else None
             continue
         tried.add(signature)
-        made = [_applied(model, call, cg, ops, graph_plan, regions_for(
-            graph_plan, ops, captured.gm, tree, regionable, mapping=mapping, blocks=blocks), vanilla, budget,
-            loss_fn, calls_seen) for mapping in MAPPINGS]
+        mapped = replace(graph_plan, offloaded=list(cg.nodes)) if offloads else graph_plan  # all it could offload
+        made = [_applied(model, call, cg, ops, graph_plan, without_offloads(regions_for(
+            mapped, ops, captured.gm, tree, regionable, mapping=mapping, blocks=blocks, worth=worth)), vanilla,
+            budget, loss_fn, calls_seen) for mapping in MAPPINGS]
         made = [a for a in made if a is not None]
         if meter.differs:
             made = _remeasured(model, call, made, meter)
         if not made:  # no mapping trains: try the smallest plan, which maps otherwise
             target = None
             continue
-        applied = min(made, key=lambda a: (a.measured_peak_bytes, a.recompute_fraction))
+        if offloads is not None:  # a mapping's offloads come back when backward replays its module: measure each
+            made = [_offloaded(offloads, a, budget, cg) for a in made]
+        applied = min(made, key=lambda a: (a.measured_peak_bytes, a.time_fraction))
         logger.info("fxplan: plan %d: %s in %s, measured peak %s (asked %s)", attempt + 1,
                     format_count(len(applied.regions), "checkpointed module"), type(model).__name__,
                     format_bytes(applied.measured_peak_bytes),
                     "the smallest" if target is None else format_bytes(target))
         if best is None or _better(applied, best, budget):
             best = applied
+        if least:  # then the plans of the budget, as without offloading
+            continue
         if budget is None or applied.measured_peak_bytes <= budget:
             break
         if target is not None:
@@ -302,6 +277,45 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
                 format_count(len(best.regions), "checkpointed module"), type(model).__name__,
                 format_bytes(best.measured_peak_bytes), format_bytes(vanilla), time.perf_counter() - t0)
     return best
+
+
+def _graph_plan(searches: Searches, target: int | None, strategy: str, least: bool = False) -> Plan:
+    """The planner's plan for ``target`` (None: its smallest), or (``least``) its plan of least recomputation."""
+    if least:
+        plain = searches.plain
+        return plain.finished_plan(next(plain.search.by_recompute(others=False)), target)
+    choice = searches.choose(target, strategy, report_smallest=False)
+    return choice.variant.result(choice.candidate, target).fxplan_plan
+
+
+def _region_offloads(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict,
+                     loss_fn: Callable[[Any], torch.Tensor] | None, host_limit: int | None) -> RegionOffloads:
+    """The offloading choice for plans applied to ``model`` (:mod:`fxplan.apply.offloaded`), its steps fake."""
+    T_seconds = cg.graph.get("T_seconds")
+    if T_seconds is None:
+        raise FxplanError("offloading needs node times to weigh copies against recomputation, and this cost graph "
+                          "has none (its costs are FLOPs: the model sits on a device fxplan cannot time here)")
+
+    def measure(regions: list[RegionPlan]) -> OffloadedStep:
+        with runtime.installed(model, regions), offload_runtime.recording() as records:
+            stats = measure_step(model, call, fake=True, loss_fn=loss_fn)
+        return OffloadedStep(stats.peak_bytes, stats.host_peak_bytes, list(records))
+
+    seconds = {v: cg.nodes[v]["T"] * T_seconds for v in cg.topo_order()}
+    return RegionOffloads(measure, call_nodes(ops), seconds, host_link(device_of(model, call)), host_limit)
+
+
+def _offloaded(offloads: RegionOffloads, applied: AppliedPlan, budget: int | None, cg: Any) -> AppliedPlan:
+    """``applied``, or the same regions offloading as few as ``budget`` needs (None: all) where that is better: it
+    fits where ``applied`` does not, or costs less time (recomputation and exposed copies, as shares of a forward
+    pass), or without a budget peaks lower."""
+    fit = offloads.fit(applied.regions, budget)
+    if fit is None:
+        return applied
+    forward = cg.total_T() * cg.graph["T_seconds"] or 1.0
+    with_copies = replace(applied, regions=fit.regions, measured_peak_bytes=fit.step.peak_bytes,
+                          host_peak_bytes=fit.step.host_peak_bytes, exposed_copy_fraction=fit.exposed_seconds / forward)
+    return with_copies if _better(with_copies, applied, budget) else applied
 
 
 def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, graph_plan: Plan,
@@ -367,7 +381,7 @@ def _better(a: AppliedPlan, b: AppliedPlan, budget: int | None) -> bool:
         return fits_a
     if budget is None or not fits_a:
         return a.measured_peak_bytes < b.measured_peak_bytes
-    return a.recompute_fraction < b.recompute_fraction
+    return a.time_fraction < b.time_fraction
 
 
 def _matched(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
@@ -411,11 +425,12 @@ def _recompute_fraction(cg: Any, ops: dict, regions: list[RegionPlan]) -> float:
         path = next((p for p in node.scope if p in by_path), None)
         if path is None:
             continue
-        for call in node.calls:
-            i = calls_seen[path]
-            calls_seen[path] += 1
-            if call.makes_value and not by_path[path].save[i] and name in cg:
-                recomputed += cg.nodes[name]["T"]
+        first = calls_seen[path]
+        calls_seen[path] += len(node.calls)
+        saves = by_path[path].save[first:first + len(node.calls)]
+        makers = [saved for call, saved in zip(node.calls, saves) if call.makes_value]
+        if makers and not any(makers) and name in cg:  # no call that makes its value is saved: recomputed once
+            recomputed += cg.nodes[name]["T"]
     return recomputed / total
 
 

@@ -103,6 +103,18 @@ def written_storages(func: Any, args: tuple, kwargs: dict) -> list[int]:
     return written
 
 
+def draws_random(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the call draws random numbers: an op tagged as seeded, unless its only source of randomness, a
+    ``dropout_p`` argument, is zero (attention kernels are tagged for their dropout, and draw nothing without it)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "dropout_p":
+            value = args[i] if i < len(args) else kwargs.get("dropout_p", argument.default_value)
+            return not (isinstance(value, (int, float)) and value == 0)
+    return True
+
+
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
@@ -110,20 +122,24 @@ def storage_key(t: torch.Tensor) -> int:
 class _Recording(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[Any, list[int], list[int], str]] | None = None
+        self.calls: list[tuple[Any, list[int], list[int], str, bool]] | None = None
+        # every output stays alive while recording: storage keys are addresses, and a freed storage's is reused
+        self.alive: list[Any] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.alive.append(out)
         if self.calls is not None and func not in SAC_IGNORED_OPS:
             outputs = [storage_key(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.calls.append((func, outputs, written_storages(func, args, kwargs), shape_of(out)))
+            self.calls.append((func, outputs, written_storages(func, args, kwargs), shape_of(out),
+                               draws_random(func, args, kwargs)))
         return out
 
 
 class _Recorder(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm)
+        super().__init__(gm, garbage_collect_values=False)  # values kept: their storage keys stay theirs
         self.mode = _Recording()
         self.nodes: dict[str, NodeOps] = {}
 
@@ -134,9 +150,8 @@ class _Recorder(fx.Interpreter):
         finally:
             made, self.mode.calls = self.mode.calls, None
         own = {storage_key(t) for t in tree_leaves(result) if isinstance(t, torch.Tensor)}
-        producer = max((i for i, (_, outputs, _, _) in enumerate(made) if own & set(outputs)), default=None)
+        producer = max((i for i, (_, outputs, *_) in enumerate(made) if own & set(outputs)), default=None)
         self.nodes[n.name] = NodeOps(n.name, scope_of(n), [
-            OpCall(op_name(func), i == producer, tuple(written),
-                   torch.Tag.nondeterministic_seeded in func.tags, func.is_view, tuple(outputs), shape)
-            for i, (func, outputs, written, shape) in enumerate(made)], tuple(own))
+            OpCall(op_name(func), i == producer, tuple(written), random, func.is_view, tuple(outputs), shape)
+            for i, (func, outputs, written, shape, random) in enumerate(made)], tuple(own))
         return result

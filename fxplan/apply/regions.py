@@ -30,7 +30,8 @@ the root's own ops. The measured search of :mod:`fxplan.apply.auto` measures wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -58,14 +59,29 @@ class RegionPlan:
     #: operators whose calls in the model's own forward are not the captured graph's (another mask
     #: construction, say): their calls get the policy's default (:class:`fxplan.apply.runtime.RegionPolicy`)
     unmatched: tuple[str, ...] = ()
+    #: per op call, whether its saved output is kept in host memory (:mod:`fxplan.rewriter.offload`); empty: none is
+    offload: tuple[bool, ...] = ()
+    #: per op call, whether its saved output could be: saved, and not for writing state from outside the region
+    offloadable: tuple[bool, ...] = field(default=(), compare=False)
 
     def decisions(self) -> dict[str, tuple[bool, ...]]:
         """Per operator, the save flag of each of its calls in order: how a policy looks a call up."""
+        return self._by_op(self.save)
+
+    def offloads(self) -> dict[str, tuple[bool, ...]]:
+        """Per operator, whether each of its calls' saved output is offloaded, in order (empty where none is)."""
+        return self._by_op(self.offload) if any(self.offload) else {}
+
+    def offloading(self, on: bool) -> RegionPlan:
+        """This region with every call it could offload offloaded (``on``), or none."""
+        return replace(self, offload=self.offloadable if on and any(self.offloadable) else ())
+
+    def _by_op(self, flags: tuple[bool, ...]) -> dict[str, tuple[bool, ...]]:
         by_op: dict[str, list[bool]] = {}
-        for op, save in zip(self.ops, self.save):
+        for op, flag in zip(self.ops, flags):
             if op not in self.unmatched:
-                by_op.setdefault(op, []).append(save)
-        return {op: tuple(flags) for op, flags in by_op.items()}
+                by_op.setdefault(op, []).append(flag)
+        return {op: tuple(f) for op, f in by_op.items()}
 
     @property
     def saved_calls(self) -> int:
@@ -80,12 +96,13 @@ class RegionPlan:
 
     def to_dict(self) -> dict:
         return {"path": self.path, "ops": list(self.ops), "save": [int(s) for s in self.save],
-                "shapes": list(self.shapes), "unmatched": list(self.unmatched)}
+                "shapes": list(self.shapes), "unmatched": list(self.unmatched),
+                "offload": [int(o) for o in self.offload]}
 
     @staticmethod
     def from_dict(d: dict) -> RegionPlan:
         return RegionPlan(d["path"], tuple(d["ops"]), tuple(bool(s) for s in d["save"]), tuple(d.get("shapes", ())),
-                          tuple(d.get("unmatched", ())))
+                          tuple(d.get("unmatched", ())), tuple(bool(o) for o in d.get("offload", ())))
 
 
 def dropped_values(plan: Plan, gm: torch.fx.GraphModule) -> set[str]:
@@ -110,18 +127,42 @@ def kept_values(plan: Plan, nodes: dict[str, NodeOps], dropped: set[str]) -> tup
 #: How a plan's segments become checkpointed modules (module docstring).
 MAPPINGS = ("largest", "aligned", "blocks")
 
+#: FLOPs per byte of output above which an op is compute-bound: a value the plan keeps but autograd does not is
+#: saved where its op is (a matrix product), recomputed where it is not (a pointwise op).
+COMPUTE_BOUND_FLOPS_PER_BYTE = 16
+
+
+def worth_saving(cg: Any) -> set[str]:
+    """The kept values a region saves (module docstring, decisions): those autograd keeps for backward (a node's own
+    output or an input its backward reads), and those of compute-bound ops. Selective checkpointing replays a
+    region's whole forward in backward, running every call it does not return from its cache; a saved value that
+    autograd does not keep would be memory the plan does not have, and recomputing a cheap one costs little."""
+    worth = set()
+    for v, data in cg.nodes(data=True):
+        if data.get("saves_output") or data.get("flops", 0) > COMPUTE_BOUND_FLOPS_PER_BYTE * max(data["M"], 1):
+            worth.add(v)
+        worth.update(data.get("saved_inputs", ()))
+    return worth
+
 
 def regions_for(plan: Plan, nodes: dict[str, NodeOps], gm: torch.fx.GraphModule,
                 children: dict[str, list[str]], regionable: set[str], *, mapping: str,
-                blocks: frozenset[str] = frozenset()) -> list[RegionPlan]:
+                blocks: frozenset[str] = frozenset(), worth: set[str] | None = None) -> list[RegionPlan]:
     """The checkpointed regions that carry ``plan`` in one of the :data:`MAPPINGS` (module docstring).
     ``children`` maps each module path to its children's; ``regionable`` names the modules that may be regions
     (called once per step, with plain arguments); ``blocks`` the items of module lists and sequences, the
     regions of the ``blocks`` mapping. Where a region's nodes span segments, a segment's boundary inside it is
-    a value it saves."""
+    a value it saves. The plan's ``offloaded`` values that a region saves are offloaded by it; those outside every
+    region stay on the device. With ``worth`` (:func:`worth_saving`), a kept value outside it that no recomputed
+    value is made from is recomputed instead."""
     dropped = dropped_values(plan, gm)
     kept, segment_of = kept_values(plan, nodes, dropped)
     recomputed = {v for v, ops in nodes.items() if v not in kept and any(c.makes_value for c in ops.calls)}
+    offloaded = set(plan.offloaded) & kept
+    saved = kept
+    if worth is not None:
+        read_by_recomputed = {u.name for n in gm.graph.nodes if n.name in recomputed for u in n.all_input_nodes}
+        saved = {v for v in kept if v in worth or v in read_by_recomputed or v in offloaded}
     inside: dict[str, list[str]] = {}
     for name, ops in nodes.items():
         for path in ops.scope:
@@ -129,12 +170,12 @@ def regions_for(plan: Plan, nodes: dict[str, NodeOps], gm: torch.fx.GraphModule,
 
     def choose(path: str) -> list[RegionPlan]:
         members = inside.get(path, [])
-        if members and not any(v in recomputed for v in members):
+        if members and not any(v in recomputed or v in offloaded for v in members):
             return []
         segments = {segment_of[v] for v in members if v in segment_of and v not in dropped}
         fits = {"largest": True, "aligned": len(segments) <= 1, "blocks": path in blocks}[mapping]
         if members and path and path in regionable and fits:
-            region = _decide(path, [nodes[v] for v in members], kept)
+            region = _decide(path, [nodes[v] for v in members], saved, offloaded)
             if region is not None:
                 return [region]
         return [region for child in children.get(path, []) for region in choose(child)]
@@ -142,9 +183,10 @@ def regions_for(plan: Plan, nodes: dict[str, NodeOps], gm: torch.fx.GraphModule,
     return choose("")
 
 
-def _decide(path: str, members: list[NodeOps], kept: set[str]) -> RegionPlan | None:
+def _decide(path: str, members: list[NodeOps], kept: set[str], offloaded: set[str] = frozenset()) -> RegionPlan | None:
     """The region's decisions (module docstring); None where none is exact: a call that must be saved (it writes
-    state from outside the region) makes a value that a later call of the region overwrites in place."""
+    state from outside the region) makes a value that a later call of the region overwrites in place. A saved call
+    that makes an ``offloaded`` node's value, and nothing the region did not make, is offloaded."""
     calls = [call for node in members for call in node.calls]
     keep_storages = {s for node in members if node.name in kept for s in node.value}
     made_here: set[int] = set()
@@ -174,4 +216,8 @@ def _decide(path: str, members: list[NodeOps], kept: set[str]) -> RegionPlan | N
     for i, call in enumerate(calls):
         if (call.random or call.op in CASTS) and not forced[i]:
             save[i] = False  # recomputed, so every random op draws again from the restored state, in order
-    return RegionPlan(path, tuple(c.op for c in calls), tuple(save), tuple(c.shape for c in calls))
+    offloadable = tuple(save[i] and not forced[i] and bool(call.outputs) for i, call in enumerate(calls))
+    offload_storages = {s for node in members if node.name in offloaded for s in node.value}
+    offload = tuple(can and set(call.outputs) <= offload_storages for can, call in zip(offloadable, calls))
+    return RegionPlan(path, tuple(c.op for c in calls), tuple(save), tuple(c.shape for c in calls),
+                      offload=offload if any(offload) else (), offloadable=offloadable)

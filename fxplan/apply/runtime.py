@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from fxplan.apply.op_map import op_name, shape_of, storage_key, written_storages
 from fxplan.apply.regions import RegionPlan
 from fxplan.errors import FxplanError
+from fxplan.rewriter import offload
 
 #: While a verification step runs: per region path, per operator, the output shapes of the calls its policy was
 #: asked about in the forward.
@@ -38,9 +39,18 @@ class RegionPolicy:
     ``div_`` in place). A call the plan has no decision for is recomputed, unless it writes a tensor the region did
     not make (saved, so that recomputation never writes it twice)."""
 
-    def __init__(self, region: RegionPlan, decisions: dict[str, tuple[bool, ...]]):
+    def __init__(self, region: RegionPlan, decisions: dict[str, tuple[bool, ...]],
+                 offloads: dict[str, tuple[bool, ...]] | None = None):
         self.region = region
         self.decisions = decisions
+        self.offloads = offloads or {}  # per operator, whether each call's saved output goes to host memory
+        self.position: dict[tuple[str, int], int] = {}  # (operator, its call's index) -> the call's index in the region
+        if self.offloads:
+            seen: dict[str, int] = defaultdict(int)
+            for j, op in enumerate(region.ops):
+                if op not in region.unmatched:
+                    self.position[(op, seen[op])] = j
+                    seen[op] += 1
         self.counts: dict[str, int] = defaultdict(int)
         self.made: dict[int, bool] = {}  # storages the region's forward made so far -> whether their maker was saved
 
@@ -65,7 +75,16 @@ class RegionPolicy:
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor):
                 self.made.setdefault(storage_key(t), decision)
+        offloaded = self.offloads.get(name)
+        if decision and offloaded is not None and i < len(offloaded) and offloaded[i]:
+            # the checkpoint saves it through the session's hooks, which record it as the region's j-th call
+            offload.mark(output, call_label(self.region.path, self.position[(name, i)]))
         return CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def call_label(path: str, j: int) -> str:
+    """How an offloaded call is named in :func:`fxplan.rewriter.offload.recording`: its region and index there."""
+    return f"{path}#{j}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +101,7 @@ class CheckpointedForward:
         self.region = region
         self.previous = previous  # an instance ``forward`` the module had before (another library's wrapper)
         self.decisions = region.decisions()
-        self.contexts = _contexts_of(region, self.decisions)
+        self.contexts = _contexts_of(region, self.decisions, region.offloads())
 
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
@@ -92,10 +111,19 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)
-        return checkpoint(self.original, *args, use_reentrant=False, context_fn=self.contexts, **kwargs)
+        if not any(self.region.offload):
+            return checkpoint(self.original, *args, use_reentrant=False, context_fn=self.contexts, **kwargs)
+        # the calls the policy offloads are saved through the session's hooks (fxplan.rewriter.offload)
+        resident = [*self.module.parameters(), *self.module.buffers(),
+                    *(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+        device = next((t.device for t in resident), torch.device("cpu"))
+        with offload.session_for(resident, device):
+            return checkpoint(self.original, *args, use_reentrant=False, context_fn=self.contexts,
+                              respect_saved_tensors_hooks=True, **kwargs)
 
 
-def _contexts_of(region: RegionPlan, decisions: dict[str, tuple[bool, ...]]) -> Any:
+def _contexts_of(region: RegionPlan, decisions: dict[str, tuple[bool, ...]],
+                 offloads: dict[str, tuple[bool, ...]]) -> Any:
     """The ``context_fn`` of a region's checkpoint: a plain function, the kind torch.compile traces a
     selective checkpoint with (it refuses bound methods and closures made while it traces), giving each call of
     the forward a fresh policy."""
@@ -104,7 +132,8 @@ def _contexts_of(region: RegionPlan, decisions: dict[str, tuple[bool, ...]]) -> 
         # A saved call that writes a buffer in place (BatchNorm's num_batches_tracked.add_) returns that buffer,
         # whose version torch's check of cached tensors sees move; no call of a region overwrites a saved value
         # otherwise (fxplan.apply.regions), so the check is off.
-        return create_selective_checkpoint_contexts(RegionPolicy(region, decisions), allow_cache_entry_mutation=True)
+        return create_selective_checkpoint_contexts(RegionPolicy(region, decisions, offloads),
+                                                    allow_cache_entry_mutation=True)
 
     return contexts
 

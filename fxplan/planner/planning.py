@@ -62,6 +62,16 @@ def whole_step_budget(budget_gb: float | None, budget_bytes: int | None) -> int 
     return budget_bytes
 
 
+def host_limit(offload: bool, host_bytes: int | None) -> int | None:
+    """The bound of the offloaded values' host copies, in bytes (None: none), checked: it means something only with
+    ``offload=True``."""
+    if host_bytes is not None and not offload:
+        raise FxplanError("host_bytes limits the host memory of offloaded values: pass offload=True with it")
+    if host_bytes is not None and (isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 0):
+        raise FxplanError(f"host_bytes must be a whole number of bytes, at least 0, got {host_bytes!r}")
+    return host_bytes
+
+
 def check_choices(strategy: str, solver: str) -> None:
     """Raise a clear FxplanError for an unknown strategy or solver name."""
     if solver not in SOLVERS:

@@ -1,0 +1,85 @@
+"""What ``fxplan.auto_checkpoint`` applied to a model: :class:`AppliedPlan`, readable and saved as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from fxplan.apply.regions import RegionPlan
+from fxplan.common.console import format_bytes, format_count
+from fxplan.solvers.plans import Plan
+
+
+@dataclass
+class AppliedPlan:
+    """A plan as applied to a model's modules: the checkpointed regions, what a step measured, and for what."""
+
+    model_class: str
+    input_shapes: str
+    regions: list[RegionPlan]
+    measured_peak_bytes: int
+    vanilla_peak_bytes: int
+    budget_bytes: int | None
+    graph_plan: Plan | None = field(default=None, repr=False)  # the planner's plan it carries (not saved)
+    recompute_fraction: float = 0.0  # of one forward pass's cost, as the cost graph prices the recomputed nodes
+    compile_backend: str | None = None  # the torch.compile backend its peaks were measured under, if any
+    per_rank: bool = False  # its peaks are of one rank of a sharded run (auto_checkpoint's shard=)
+    host_peak_bytes: int = 0  # the most the host copies of its offloaded values held at once, measured
+    exposed_copy_fraction: float = 0.0  # predicted copy time compute does not hide, as a share of a forward pass
+
+    @property
+    def time_fraction(self) -> float:
+        """What the plan adds to a step, as a share of one forward pass: recomputation and exposed copies."""
+        return self.recompute_fraction + self.exposed_copy_fraction
+
+    @property
+    def offloaded_calls(self) -> int:
+        return sum(sum(r.offload) for r in self.regions)
+
+    def summary(self) -> str:
+        saved = sum(r.saved_calls for r in self.regions)
+        calls = sum(len(r.ops) for r in self.regions)
+        budget = "the smallest peak" if self.budget_bytes is None else f"a budget of {format_bytes(self.budget_bytes)}"
+        meter = ("fake tensors, exact" if self.compile_backend is None else
+                 f"a real step compiled with torch.compile(backend={self.compile_backend!r})")
+        if self.per_rank:
+            meter += ", one rank of the model sharded by shard="
+        lines = [
+            f"fxplan plan applied to {self.model_class} for {budget} (input shapes {self.input_shapes})",
+            f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
+            f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; {meter})",
+            f"  {format_count(len(self.regions), 'checkpointed module')}; of their {format_count(calls, 'op call')}, "
+            f"{saved} saved and {calls - saved} recomputed in backward",
+            f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass (cost model)",
+        ]
+        if self.offloaded_calls:
+            lines.append(f"  offloaded to host memory: {format_count(self.offloaded_calls, 'saved op output')}, "
+                         f"{format_bytes(self.host_peak_bytes)} on the host at most (measured; the peak above is the "
+                         f"device's); copies predicted to add {100 * self.exposed_copy_fraction:.1f}% of a forward "
+                         "pass that compute does not hide")
+        for r in self.regions[:12]:
+            offloaded = f", {sum(r.offload)} of them offloaded" if any(r.offload) else ""
+            lines.append(f"    {r.path}: {r.saved_calls} of {format_count(len(r.ops), 'op call')} saved{offloaded}")
+        if len(self.regions) > 12:
+            lines.append(f"    ... and {len(self.regions) - 12} more")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "model_class": self.model_class, "input_shapes": self.input_shapes,
+            "regions": [r.to_dict() for r in self.regions], "measured_peak_bytes": self.measured_peak_bytes,
+            "vanilla_peak_bytes": self.vanilla_peak_bytes, "budget_bytes": self.budget_bytes,
+            "recompute_fraction": self.recompute_fraction, "compile_backend": self.compile_backend,
+            "per_rank": self.per_rank, "host_peak_bytes": self.host_peak_bytes,
+            "exposed_copy_fraction": self.exposed_copy_fraction,
+        })
+
+    @staticmethod
+    def from_json(text: str) -> AppliedPlan:
+        d = json.loads(text)
+        return AppliedPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
+                           d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
+                           recompute_fraction=d.get("recompute_fraction", 0.0),
+                           compile_backend=d.get("compile_backend"), per_rank=d.get("per_rank", False),
+                           host_peak_bytes=d.get("host_peak_bytes", 0),
+                           exposed_copy_fraction=d.get("exposed_copy_fraction", 0.0))
