@@ -247,7 +247,9 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             continue
         if offloads is not None:  # a mapping's offloads come back when backward replays its module: measure each
             made = [_offloaded(offloads, a, budget, cg) for a in made]
-        applied = min(made, key=lambda a: (a.measured_peak_bytes, a.time_fraction))
+        fitting = [a for a in made if budget is not None and a.measured_peak_bytes <= budget]
+        applied = (min(fitting, key=lambda a: (a.time_fraction, a.measured_peak_bytes)) if fitting else
+                   min(made, key=lambda a: (a.measured_peak_bytes, a.time_fraction)))
         logger.info("fxplan: plan %d: %s in %s, measured peak %s (asked %s)", attempt + 1,
                     format_count(len(applied.regions), "checkpointed module"), type(model).__name__,
                     format_bytes(applied.measured_peak_bytes),

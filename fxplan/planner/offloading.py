@@ -54,6 +54,9 @@ class OffloadSearch:
         """The module of the cheapest way to fit ``budget_bytes`` (None: the lowest device peak)."""
         fits = [fit for fit in (self._fit(base, budget_bytes) for base in self._bases(budget_bytes, strategy))
                 if fit is not None]
+        if budget_bytes is not None and not any(f.stats.peak_bytes <= budget_bytes for f in fits):
+            smallest = self.searches.choose(None, strategy)  # the recomputation search's smallest, offloaded on
+            fits += [fit for fit in [self._fit(smallest, budget_bytes)] if fit is not None]
         for f in fits:
             logger.debug("fxplan: offloading %d values on a %d-segment plan: %d device bytes, %.3g s extra",
                          len(f.values), f.plan.num_segments, f.stats.peak_bytes, f.extra_seconds)
@@ -67,16 +70,14 @@ class OffloadSearch:
         return self._module(found, budget_bytes)
 
     def _bases(self, budget_bytes: int | None, strategy: str) -> list[Choice]:
-        """The recomputation plans to offload on: the least recomputing, the one chosen for the budget, and the
-        smallest (each once)."""
+        """The recomputation plans to offload on first: the least recomputing, and the one chosen for the budget, or
+        without a budget the smallest (each once). :meth:`choose` adds the smallest where none of them fits."""
         plain = self.searches.plain
         bases = [Choice(plain, next(plain.search.by_recompute(others=False)))]
-        if budget_bytes is not None:
-            try:
-                bases.append(self.searches.choose(budget_bytes, strategy))
-            except BudgetError:
-                pass
-        bases.append(self.searches.choose(None, strategy))
+        try:
+            bases.append(self.searches.choose(budget_bytes, strategy))
+        except BudgetError:
+            pass
         unique: dict[tuple, Choice] = {}
         for b in bases:
             unique.setdefault((id(b.variant), repr(b.candidate.plan.segments), repr(b.candidate.plan.children)), b)
