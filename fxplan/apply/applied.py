@@ -1,11 +1,17 @@
-"""What ``fxplan.auto_checkpoint`` applied to a model: :class:`AppliedPlan`, readable and saved as JSON."""
+"""What ``fxplan.auto_checkpoint`` applied to a model: :class:`AppliedPlan`, readable and saved as JSON, and
+:class:`PartialPlan` for a model planned in parts (:mod:`fxplan.apply.partial`), which names its planned submodules
+and the modules left to run eagerly, and why."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from fxplan.apply.regions import RegionPlan
+from fxplan.capture.capturers import ExampleCall
 from fxplan.common.console import format_bytes, format_count
 from fxplan.solvers.plans import Plan
 
@@ -77,9 +83,89 @@ class AppliedPlan:
     @staticmethod
     def from_json(text: str) -> AppliedPlan:
         d = json.loads(text)
+        if "parts" in d:
+            return PartialPlan.from_dict(d)
         return AppliedPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
                            d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
                            recompute_fraction=d.get("recompute_fraction", 0.0),
                            compile_backend=d.get("compile_backend"), per_rank=d.get("per_rank", False),
                            host_peak_bytes=d.get("host_peak_bytes", 0),
                            exposed_copy_fraction=d.get("exposed_copy_fraction", 0.0))
+
+
+#: Why a module without submodules is no part: its summary counts such modules instead of listing them.
+SINGLE_LAYER = "one layer, no submodules to plan"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One module of a model planned in parts: planned (its own plan, found as for a whole model, with its own
+    step's peaks measured on fake tensors) or run eagerly as the model's code runs it, with why (``reason``: the
+    data-dependent code it stops at, file and line, or what keeps it from being planned)."""
+
+    path: str
+    module_class: str
+    planned: bool
+    reason: str = ""
+    regions: int = 0  # its checkpointed modules
+    peak_bytes: int | None = None  # of its own step with its plan, fake tensors (None where not measured)
+    unplanned_peak_bytes: int | None = None  # of its own step without
+
+    def describe(self) -> str:
+        name = f"{self.path or '(the model)'} ({self.module_class})"
+        if not self.planned:
+            return f"{name}: runs eagerly: {self.reason}"
+        own = ""
+        if self.peak_bytes is not None and self.unplanned_peak_bytes is not None:
+            own = (f"; its own step {format_bytes(self.unplanned_peak_bytes)} -> {format_bytes(self.peak_bytes)} "
+                   "(fake tensors)")
+        return f"{name}: {format_count(self.regions, 'checkpointed module')}{own}{self.reason and '; ' + self.reason}"
+
+
+@dataclass
+class PartialPlan(AppliedPlan):
+    """A plan of a model that does not capture as a whole, applied in parts (:mod:`fxplan.apply.partial`): the
+    regions of every planned part, by their paths in the model, and the parts (:class:`Part`). Its peaks are of the
+    whole step, measured on real steps (``meter`` says how), not on fake tensors."""
+
+    parts: list[Part] = field(default_factory=list)
+    meter: str = ""
+
+    def summary(self) -> str:
+        budget = "the smallest peak" if self.budget_bytes is None else f"a budget of {format_bytes(self.budget_bytes)}"
+        planned = [p for p in self.parts if p.planned]
+        root = next((p for p in self.parts if p.path == ""), None)
+        lines = [
+            f"fxplan plan applied in parts to {self.model_class} for {budget} (input shapes {self.input_shapes})",
+            f"  {self.model_class} does not capture as a whole ({root.reason if root else 'data-dependent code'}): "
+            f"{format_count(len(planned), 'part')} planned, the rest runs eagerly as the model's code runs it",
+            f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
+            f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; {self.meter})",
+            f"  {format_count(len(self.regions), 'checkpointed module')} in the planned parts",
+        ]
+        lines += [f"  planned: {p.describe()}" for p in planned]
+        eager = [p for p in self.parts if not p.planned and p.path]
+        lines += [f"  eager:   {p.describe()}" for p in eager if p.reason != SINGLE_LAYER]
+        if any(p.reason == SINGLE_LAYER for p in eager):
+            lines.append(f"  eager:   {format_count(sum(p.reason == SINGLE_LAYER for p in eager), 'single layer')} "
+                         "outside the planned parts (no submodules to plan)")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        d = json.loads(super().to_json())
+        d["parts"] = [vars(p) for p in self.parts]
+        d["meter"] = self.meter
+        return json.dumps(d)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> PartialPlan:
+        return PartialPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
+                           d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
+                           parts=[Part(**p) for p in d["parts"]], meter=d.get("meter", ""))
+
+
+def input_shapes(call: ExampleCall) -> str:
+    """The shapes and dtypes of a call's tensors, as a plan records what it was made for."""
+    leaves = torch.utils._pytree.tree_leaves((call.args, call.kwargs))
+    return ", ".join("x".join(map(str, t.shape)) + f" {str(t.dtype).removeprefix('torch.')}"
+                     for t in leaves if isinstance(t, torch.Tensor))

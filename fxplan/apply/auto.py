@@ -13,6 +13,7 @@ a second model of the same class and shapes is applied without planning again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -22,14 +23,15 @@ from typing import Any
 import torch
 
 from fxplan.apply import runtime
-from fxplan.apply.applied import AppliedPlan
+from fxplan.apply.applied import AppliedPlan, PartialPlan, input_shapes
 from fxplan.apply.eligible import module_tree, regionable_modules, repeated_blocks
 from fxplan.apply.offloaded import OffloadedStep, RegionOffloads, call_nodes, without_offloads
 from fxplan.apply.op_map import node_ops
+from fxplan.apply.partial import apply_in_parts, data_dependent_cause, plan_in_parts
 from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for, worth_saving
 from fxplan.capture.capturers import ExampleCall, as_call
 from fxplan.capture.fakes import DATA_DEPENDENT, caches_kept_real, has_fake, refusing_data_dependent
-from fxplan.capture.guards import is_compiled, is_sharded
+from fxplan.capture.guards import host_generators_kept, is_compiled, is_sharded
 from fxplan.common import collector
 from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.host_link import host_link
@@ -106,7 +108,7 @@ def auto_checkpoint(
     check_choices(strategy, solver)
     call = as_call(example_inputs)
     remove_checkpoints(model)
-    shapes = _shapes(call)
+    shapes = input_shapes(call)
     key = (type(model).__qualname__, shapes, budget, strategy, solver, loss_fn, compile_backend, shard)
     if plan is None and key in _KEPT and _same_structure(model, _KEPT[key]):
         plan = _KEPT[key]
@@ -122,16 +124,35 @@ def auto_checkpoint(
     host = host_limit(offload, host_bytes)
     key += (offload, host)
     meter = _Meter(loss_fn, None if has_fake(model, (call.args, call.kwargs)) else compile_backend, shard)
+    if isinstance(plan, PartialPlan):
+        applied = apply_in_parts(model, plan, call, loss_fn)
+        runtime.install(model, applied.regions)
+        model.fxplan_plan = applied
+        return model
     if plan is not None:
         return _apply_given(model, plan, call, meter)
     if compile_backend is not None and meter.compile_backend is None:
         raise FxplanError("compile_backend measures real compiled steps: give example_inputs as real tensors")
-    applied = _search(model, call, budget, strategy=strategy, solver=solver, meter=meter,
-                      offload=(offload, host))
+    with host_generators_kept():  # fake steps run the model's own forward, which may draw (SpecAugment's masks)
+        try:
+            applied = _search(model, call, budget, strategy=strategy, solver=solver, meter=meter,
+                              offload=(offload, host))
+        except (FxplanError, *DATA_DEPENDENT) as exc:  # data-dependent Python: planned in the parts that capture
+            if data_dependent_cause(exc, model) is None or meter.differs or offload \
+                    or has_fake(model, (call.args, call.kwargs)):
+                raise
+            applied = plan_in_parts(model, call, budget, exc, functools.partial(
+                _plan_part, strategy=strategy, solver=solver), loss_fn)
     _KEPT[key] = applied
     runtime.install(model, applied.regions)
     model.fxplan_plan = applied
     return model
+
+
+def _plan_part(module: torch.nn.Module, call: ExampleCall, budget: int | None, *, strategy: str,
+               solver: str) -> AppliedPlan:
+    """The plan of one part of a model planned in parts (:mod:`fxplan.apply.partial`), as for a whole model."""
+    return _search(module, call, budget, strategy=strategy, solver=solver, meter=_Meter(None))
 
 
 def remove_checkpoints(model: torch.nn.Module) -> torch.nn.Module:
@@ -181,7 +202,7 @@ def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall, m
                           "unsharded step: apply it without compile_backend or shard")
     measured, host = meter.peaks(model, call, plan.regions)
     runtime.install(model, plan.regions)
-    model.fxplan_plan = replace(plan, input_shapes=_shapes(call), measured_peak_bytes=measured,
+    model.fxplan_plan = replace(plan, input_shapes=input_shapes(call), measured_peak_bytes=measured,
                                 compile_backend=meter.compile_backend, per_rank=meter.shard is not None,
                                 host_peak_bytes=host)
     if plan.input_shapes != model.fxplan_plan.input_shapes:
@@ -196,7 +217,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
     loss_fn = meter.loss_fn
     regionable, unsharded = regionable_modules(model, call, loss_fn)
     vanilla = meter.peak(model, call, []) if meter.differs else unsharded
-    unplanned = AppliedPlan(type(model).__qualname__, _shapes(call), [], vanilla, vanilla, budget,
+    unplanned = AppliedPlan(type(model).__qualname__, input_shapes(call), [], vanilla, vanilla, budget,
                             compile_backend=meter.compile_backend, per_rank=meter.shard is not None)
     if budget is not None and budget >= vanilla:
         logger.info("fxplan: the budget %s is above the unplanned peak %s: nothing to checkpoint",
@@ -334,7 +355,7 @@ def _applied(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict, grap
                     format_count(len(regions), "module"), "does" if len(regions) == 1 else "do",
                     str(error).splitlines()[0][:200])
         return None
-    return AppliedPlan(type(model).__qualname__, _shapes(call), regions, peak, vanilla, budget, graph_plan,
+    return AppliedPlan(type(model).__qualname__, input_shapes(call), regions, peak, vanilla, budget, graph_plan,
                        _recompute_fraction(cg, ops, regions))
 
 
@@ -439,12 +460,6 @@ def _recompute_fraction(cg: Any, ops: dict, regions: list[RegionPlan]) -> float:
 def _same_structure(model: torch.nn.Module, plan: AppliedPlan) -> bool:
     names = {name for name, _ in model.named_modules()}
     return all(r.path in names for r in plan.regions)
-
-
-def _shapes(call: ExampleCall) -> str:
-    leaves = torch.utils._pytree.tree_leaves((call.args, call.kwargs))
-    return ", ".join("x".join(map(str, t.shape)) + f" {str(t.dtype).removeprefix('torch.')}"
-                     for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _refuse_wrapped(model: torch.nn.Module) -> None:

@@ -1,0 +1,447 @@
+"""Planning in parts: a model whose step does not capture as a whole, planned in the submodules that do.
+
+A model's forward can stop a fake step, and with it the capture, at data-dependent Python: torchvision's Faster R-CNN
+draws the size of its images with ``.item()`` in training, a Hugging Face speech encoder decides its LayerDrop with
+``if not skip_the_layer``. Most of its memory is often in submodules that are plain graphs all the same (a
+detector's backbone and FPN, each encoder layer). :func:`plan_in_parts` finds the largest of them, from the top of
+the model's module tree down, plans each as ``fxplan.auto_checkpoint`` plans a whole model (checkpointed regions on
+its own modules, found with its own fake step), and leaves the rest to run eagerly, exactly as the model's code runs
+it: only the parts' regions are checkpointed, so the model's own Python, its data-dependent choices and its random
+draws included, runs once per step as written.
+
+What a part is: a module with submodules, called once in the step with plain values (tensors, numbers, strings, None
+and containers of them), that writes into none of its arguments in place and does not draw from Python's or numpy's
+random generators (recomputation would draw again), and whose own step captures. A module that fails one of these is
+left eager and its children are tried. The calls are recorded in one real forward of a copy of the model (the calls'
+arguments copied, the random state left as it was). A module the recorded step did not call (a layer LayerDrop
+dropped) is planned on the call of a sibling of the same structure where one was called. Parts of one structure and
+call shapes (a model's repeated layers) share one plan.
+
+The budget is of the whole step. A fake step of the whole model stops where its capture did, so the whole step is
+measured on real steps of a copy (:data:`STEPS_MEASURED` of them in sequence, from the random state at planning time,
+which is left as it was; the largest peak counts): the draws of a random model (LayerDrop) change its peak from step
+to step, and the figure is of the steps measured. The parts share the excess of the unplanned peak over the budget in
+proportion to what each can save (its own step's unplanned peak less its smallest, on fake tensors); while the whole
+step measures above the budget, the excess measured is added and the parts are planned again, and the last resort
+is every part's smallest plan. What is reported is what was measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from fxplan.apply import runtime
+from fxplan.apply.applied import SINGLE_LAYER, AppliedPlan, Part, PartialPlan, input_shapes
+from fxplan.apply.regions import RegionPlan
+from fxplan.capture.capturers import ExampleCall
+from fxplan.capture.fakes import DATA_DEPENDENT
+from fxplan.capture.guards import host_generators_kept
+from fxplan.common.console import format_bytes, format_count
+from fxplan.errors import BudgetError, FxplanError, user_frame
+from fxplan.measure.meter import device_of, measure_step, real_copy
+
+logger = logging.getLogger("fxplan")
+
+#: Real steps measured in sequence for one figure of the whole step (the largest counts).
+STEPS_MEASURED = 2
+
+#: At most this many shares of the budget are planned and measured before every part's smallest plan is taken.
+MAX_TRIES = 3
+
+#: ``plan_part(module, call, budget_bytes)``: a part's plan for a budget of its own step (None: its smallest), as
+#: ``fxplan.auto_checkpoint`` finds one for a whole model; raises where the part does not capture.
+PlanPart = Callable[[torch.nn.Module, ExampleCall, "int | None"], AppliedPlan]
+
+
+def data_dependent_cause(exc: BaseException, model: torch.nn.Module | None = None) -> BaseException | None:
+    """The data-dependent op ``exc`` was raised from (fake tensors' exceptions, or a guard on a data-dependent
+    symbolic value), following its causes; None where it was raised for another reason, or, given ``model``, where
+    the op is not in the code of one of ``model``'s modules (a loss that reads its data, a backward's op: planning
+    in parts cannot help those)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (*DATA_DEPENDENT, GuardOnDataDependentSymNode)):
+            return exc if model is None or _in_forward(exc, model) else None
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _in_forward(exc: BaseException, model: torch.nn.Module) -> bool:
+    """Whether ``exc`` was raised inside a method of a module of one of ``model``'s modules' classes (its forward, on
+    the fake copy a step ran)."""
+    classes = {type(m) for m in model.modules()}
+    tb = exc.__traceback__
+    while tb is not None:
+        if type(tb.tb_frame.f_locals.get("self")) in classes:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def plan_in_parts(model: torch.nn.Module, call: ExampleCall, budget: int | None, failure: BaseException,
+                  plan_part: PlanPart, loss_fn: Callable[[Any], torch.Tensor] | None) -> PartialPlan:
+    """The plan of ``model`` in parts for ``budget`` bytes of the whole step (None: the smallest peak), where its
+    whole capture failed with ``failure`` (module docstring). Raises :class:`BudgetError` naming the smallest peak
+    measured where no share of the budget fits."""
+    t0 = time.perf_counter()
+    cause = data_dependent_cause(failure) or failure
+    root = Part("", type(model).__name__, False, f"data-dependent code{user_frame(cause, model)}")
+    logger.info("fxplan: %s does not capture as a whole (%s); planning its submodules that do",
+                type(model).__name__, root.reason)
+    parts, groups = _find_parts(model, _record_calls(model, call), plan_part)
+    parts.insert(0, root)
+    meter = (f"the largest of {STEPS_MEASURED} real steps on the {device_of(model, (call.args, call.kwargs)).type} "
+             "from the random state at planning time")
+    vanilla = _whole_peak(model, call, [], loss_fn)
+    chosen = {g.key: g.smallest for g in groups}
+    peak = _whole_peak(model, call, _regions(groups, chosen), loss_fn) if groups else vanilla
+    smallest = peak
+    if budget is not None and budget >= vanilla:
+        chosen, peak = {}, vanilla
+    elif budget is not None and peak <= budget:
+        excess = vanilla - budget
+        for _ in range(MAX_TRIES):
+            shared = _shared(groups, excess, plan_part)
+            if all(shared[g.key] is g.smallest for g in groups):
+                break  # the shares are every part's smallest plan: measured already
+            tried = _whole_peak(model, call, _regions(groups, shared), loss_fn)
+            logger.info("fxplan: parts planned for %s less: whole step %s", format_bytes(excess), format_bytes(tried))
+            if tried <= budget:
+                chosen, peak = shared, tried
+                break
+            excess += tried - budget
+    if peak >= vanilla:
+        chosen, peak = {}, vanilla
+    if budget is not None and peak > budget:
+        raise BudgetError(
+            f"fxplan.auto_checkpoint: {type(model).__name__} planned in parts ({format_count(len(groups), 'kind')} of "
+            f"part) does not fit {format_bytes(budget)} per step; the smallest measured is {format_bytes(smallest)} "
+            f"({smallest} bytes, {meter})", smallest, advice=f"budget_bytes={smallest} is accepted.")
+    regions = _regions(groups, chosen)
+    parts += _parts_planned(groups, chosen)
+    logger.info("fxplan: applied %s in parts of %s: measured peak %s (unplanned %s), planned in %.1f s",
+                format_count(len(regions), "checkpointed module"), type(model).__name__, format_bytes(peak),
+                format_bytes(vanilla), time.perf_counter() - t0)
+    return PartialPlan(type(model).__qualname__, input_shapes(call), regions, peak, vanilla, budget,
+                       parts=parts, meter=meter)
+
+
+def apply_in_parts(model: torch.nn.Module, plan: PartialPlan, call: ExampleCall,
+                   loss_fn: Callable[[Any], torch.Tensor] | None) -> PartialPlan:
+    """``plan``, made before, measured again on ``call`` (real steps): the plan to install."""
+    if plan.model_class != type(model).__qualname__:
+        raise FxplanError(f"this plan was made for {plan.model_class}, not {type(model).__qualname__}; plan this "
+                          "model with fxplan.auto_checkpoint(model, ..., example_inputs=...)")
+    peak = _whole_peak(model, call, plan.regions, loss_fn)
+    return replace(plan, input_shapes=input_shapes(call), measured_peak_bytes=peak)
+
+
+@dataclass
+class _Recorded:
+    """One module's calls in the recorded step."""
+
+    call: ExampleCall | None = None  # the first call's arguments, copied
+    count: int = 0
+    odd: str | None = None  # the type of an argument that is not a plain value
+    output: tuple | None = None  # the first call's output's shape and dtype, where it is one tensor
+    writes: bool = False  # wrote into a tensor argument in place
+    draws: bool = False  # drew from Python's or numpy's global generator
+
+
+def _record_calls(model: torch.nn.Module, call: ExampleCall) -> dict[str, _Recorded]:
+    """The calls of ``model``'s modules with submodules in one real forward of a copy (module docstring)."""
+    copy = real_copy(model)
+    records: dict[str, _Recorded] = {}
+    entered: dict[str, tuple[list[tuple[torch.Tensor, int]], Any]] = {}
+    handles = []
+    for path, module in copy.named_modules():
+        if not path or not any(True for _ in module.children()):
+            continue
+
+        def before(_m, args, kwargs, path=path):
+            r = records.setdefault(path, _Recorded())
+            r.count += 1
+            leaves = tree_leaves((args, kwargs))
+            odd = next((type(x).__name__ for x in leaves if not _plain(x)), None)
+            r.odd = r.odd or odd
+            if r.count == 1 and odd is None:
+                r.call = ExampleCall(*tree_map(_copied, (tuple(args), dict(kwargs))))
+            entered[path] = ([(t, t._version) for t in leaves if isinstance(t, torch.Tensor)], _host_states())
+
+        def after(_m, _args, _kwargs, output, path=path):
+            tensors, states = entered.pop(path, ([], None))
+            r = records[path]
+            if r.count == 1:
+                r.output = _meta(output)
+            r.writes = r.writes or any(t._version != version for t, version in tensors)
+            r.draws = r.draws or (states is not None and not _same_host_states(states, _host_states()))
+
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(module.register_forward_hook(after, with_kwargs=True))
+    try:
+        with _random_state_kept(model, call), torch.enable_grad():
+            copy(*call.args, **call.kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return records
+
+
+def _copied(x: Any) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
+def _plain(leaf: Any) -> bool:
+    return leaf is None or isinstance(leaf, (torch.Tensor, bool, int, float, str, torch.dtype, torch.device))
+
+
+def _host_states() -> tuple[Any, Any]:
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy.random.get_state() if numpy is not None else None
+
+
+def _same_host_states(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[1] is None or b[1] is None:
+        return a[1] is b[1]
+    return a[1][2:] == b[1][2:] and bool((a[1][1] == b[1][1]).all())
+
+
+@dataclass
+class _Group:
+    """Parts of one structure and call shapes with one plan (``smallest``: its smallest), made for ``module``: the
+    first part itself, its plan repeated on the others, or, where ``chained``, a :class:`_Chain` of them all."""
+
+    key: tuple
+    paths: list[str]
+    module: torch.nn.Module
+    call: ExampleCall
+    smallest: AppliedPlan
+    notes: dict[str, str]  # path -> how it came to be planned with the group's plan
+    chained: bool = False
+
+    def place(self, plan: AppliedPlan) -> list[RegionPlan]:
+        """``plan``'s regions on the parts' paths in the model."""
+        if not self.chained:
+            return [replace(r, path=f"{path}.{r.path}" if r.path else path)
+                    for path in self.paths for r in plan.regions]
+        placed = []
+        for r in plan.regions:  # a chain's modules are layers.<i>[.rest]
+            _, index, *rest = r.path.split(".", 2)
+            placed.append(replace(r, path=".".join([self.paths[int(index)], *rest])))
+        return placed
+
+
+class _Chain(torch.nn.Module):
+    """Repeated layers of a model (siblings of one structure, each called with the last one's output and the first's
+    other arguments), called one after another: the step their plan is made for. A layer's own step peaks in its
+    own backward, which checkpointing it does not lower; in the model, each layer's saved values are held while
+    the later ones run, and that is what checkpointing the layers saves."""
+
+    def __init__(self, layers: list[torch.nn.Module], call: ExampleCall):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+        self.rest, self.extra = call.args[1:], call.kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, *self.rest, **self.extra)
+        return x
+
+
+def _find_parts(model: torch.nn.Module, records: dict[str, _Recorded],
+                plan_part: PlanPart) -> tuple[list[Part], list[_Group]]:
+    """The parts of ``model`` (module docstring): the modules left eager, with why, and the groups of planned parts."""
+    modules = dict(model.named_modules())
+    parts: list[Part] = []
+    groups: dict[tuple, _Group] = {}
+    failures: dict[tuple, str] = {}
+
+    def record_of(path: str, parent: str) -> tuple[_Recorded | None, str]:
+        if path in records:
+            return records[path], ""
+        # not called: a sibling of the same structure gives its call (a layer LayerDrop dropped)
+        sibling = next((p for p in _children(modules[parent], parent) if p in records
+                        and _structure(modules[p]) == _structure(modules[path])), None)
+        if sibling is None:
+            return None, ""
+        return records[sibling], f"not called in the step recorded: planned on the call of {sibling}"
+
+    def key_of(path: str, parent: str) -> tuple | None:
+        record, _ = record_of(path, parent)
+        if _not_a_part(modules[path], record) is not None:
+            return None
+        return _structure(modules[path]), input_shapes(record.call)
+
+    def chain_from(path: str, parent: str, key: tuple) -> list[str]:
+        """``path`` and the siblings after it of its key, where its output can be their input."""
+        siblings = _children(modules[parent], parent)
+        record, _ = record_of(path, parent)
+        first = record.call.args[0] if record.call.args else None
+        if not isinstance(first, torch.Tensor) or record.output != _meta(first):
+            return [path]
+        run = [path]
+        for p in siblings[siblings.index(path) + 1:]:
+            if key_of(p, parent) != key:
+                break
+            run.append(p)
+        return run
+
+    def visit(path: str, parent: str) -> None:
+        module = modules[path]
+        record, note = record_of(path, parent)
+        reason = _not_a_part(module, record)
+        if reason is None:
+            key = (_structure(module), input_shapes(record.call))
+            if key in groups:
+                group = groups[key]
+                if path not in group.paths:
+                    group.paths.append(path)
+                    group.notes[path] = note or f"the plan of {group.paths[0]} (same structure and shapes)"
+                return
+            if key not in failures:
+                run = chain_from(path, parent, key)
+                if len(run) > 1:
+                    chain = _Chain([modules[p] for p in run], record.call)
+                    call = ExampleCall(record.call.args[:1], {})
+                    outcome = _tried(chain, call, plan_part)
+                    if isinstance(outcome, AppliedPlan):
+                        notes = {p: f"planned with {run[0]} to {run[-1]} as one chain of layers" for p in run}
+                        groups[key] = _Group(key, run, chain, call, outcome, notes, chained=True)
+                        return
+                outcome = _tried(module, record.call, plan_part)
+                if isinstance(outcome, AppliedPlan):
+                    groups[key] = _Group(key, [path], module, record.call, outcome, {path: note})
+                    return
+                failures[key] = outcome
+            reason = failures[key]
+        parts.append(Part(path, type(module).__name__, False, reason))
+        for child in _children(module, path):
+            visit(child, path)
+
+    for child in _children(model, ""):
+        visit(child, "")
+    return parts, list(groups.values())
+
+
+def _meta(x: Any) -> tuple | None:
+    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
+
+
+def _children(module: torch.nn.Module, path: str) -> list[str]:
+    return [f"{path}.{name}" if path else name for name, _ in module.named_children()]
+
+
+def _structure(module: torch.nn.Module) -> tuple:
+    """What makes two modules the same for a plan: class, submodules' names and classes, state's shapes."""
+    return (type(module).__qualname__, tuple((n, type(m).__qualname__) for n, m in module.named_modules()),
+            tuple((n, tuple(t.shape), t.dtype) for n, t in [*module.named_parameters(), *module.named_buffers()]))
+
+
+def _not_a_part(module: torch.nn.Module, record: _Recorded | None) -> str | None:
+    """Why ``module`` cannot be a part (module docstring), or None."""
+    if not any(True for _ in module.children()):
+        return SINGLE_LAYER
+    if record is None:
+        return "not called in the step recorded"
+    if record.odd is not None:
+        return f"called with an argument of type {record.odd} (fxplan plans calls of tensors and plain values)"
+    if record.count > 1:
+        return f"called {record.count} times in one step (a checkpointed module is called once)"
+    if record.writes:
+        return "writes into its input in place (recomputation would run it from the values written)"
+    if record.draws:
+        return "draws from Python's or numpy's random generator (recomputation would draw again)"
+    return None
+
+
+def _tried(module: torch.nn.Module, call: ExampleCall, plan_part: PlanPart) -> AppliedPlan | str:
+    """The smallest plan of ``module`` on its own, or why it has none: the data-dependent code it stops at, the
+    error its capture raised, or that no plan of its modules lowers its step."""
+    try:
+        plan = plan_part(module, call, None)
+    except (FxplanError, RuntimeError, *DATA_DEPENDENT, GuardOnDataDependentSymNode) as exc:
+        cause = data_dependent_cause(exc)
+        if cause is not None:
+            return f"data-dependent code{user_frame(cause, module)}"
+        return f"does not capture ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
+    if not plan.regions:
+        return "captures, but no plan of its modules lowers its own step's peak"
+    return plan
+
+
+def _shared(groups: list[_Group], excess: int, plan_part: PlanPart) -> dict[tuple, AppliedPlan]:
+    """Each group's plan for its share of ``excess`` bytes to save (module docstring)."""
+    can = {g.key: max(0, g.smallest.vanilla_peak_bytes - g.smallest.measured_peak_bytes) for g in groups}
+    total = sum(can[g.key] * (1 if g.chained else len(g.paths)) for g in groups)
+    shared = {}
+    for g in groups:
+        share = excess * can[g.key] / total if total else 0
+        if share >= can[g.key]:
+            shared[g.key] = g.smallest
+            continue
+        try:
+            shared[g.key] = plan_part(g.module, g.call, int(g.smallest.vanilla_peak_bytes - share))
+        except BudgetError:
+            shared[g.key] = g.smallest
+    return shared
+
+
+def _regions(groups: list[_Group], chosen: dict[tuple, AppliedPlan]) -> list[RegionPlan]:
+    """The regions of the plans ``chosen`` for the groups, on each part's path in the model."""
+    return [r for g in groups if g.key in chosen for r in g.place(chosen[g.key])]
+
+
+def _parts_planned(groups: list[_Group], chosen: dict[tuple, AppliedPlan]) -> list[Part]:
+    """A :class:`Part` for each part of the groups, with the plan chosen for it (its own step's peaks: of the chain
+    for chained layers)."""
+    out = []
+    for g in groups:
+        plan = chosen.get(g.key)
+        name = type(g.module.layers[0] if g.chained else g.module).__name__
+        placed = g.place(plan) if plan is not None else []
+        for path in g.paths:
+            regions = sum(r.path == path or r.path.startswith(path + ".") for r in placed)
+            if not regions:
+                out.append(Part(path, name, False, "captures; left unplanned, the budget holds without it"))
+            else:
+                out.append(Part(path, name, True, g.notes.get(path, ""), regions, plan.measured_peak_bytes,
+                                plan.vanilla_peak_bytes))
+    return out
+
+
+def _whole_peak(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
+                loss_fn: Callable[[Any], torch.Tensor] | None) -> int:
+    """The largest peak of :data:`STEPS_MEASURED` real steps of copies of ``model`` with ``regions`` on, in sequence
+    from the random state at planning time, which is left as it was."""
+    try:
+        with runtime.installed(model, regions), _random_state_kept(model, call):
+            return max(measure_step(model, call, fake=False, loss_fn=loss_fn).peak_bytes
+                       for _ in range(STEPS_MEASURED))
+    except RuntimeError as error:
+        raise FxplanError(f"{type(model).__name__} with {format_count(len(regions), 'checkpointed module')} in its "
+                          f"parts does not train ({str(error).splitlines()[0][:200]}); the plan in parts is not "
+                          "applied") from error
+
+
+@contextlib.contextmanager
+def _random_state_kept(model: torch.nn.Module, call: ExampleCall) -> Iterator[None]:
+    """torch's generators (the CPU's, and the model's CUDA device's) and Python's and numpy's left as they were."""
+    device = device_of(model, (call.args, call.kwargs))
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), host_generators_kept():
+        yield
