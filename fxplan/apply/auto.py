@@ -38,6 +38,7 @@ from fxplan.costs.host_link import host_link
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import device_of, measure_step
+from fxplan.planner.offloading import seconds_per_T
 from fxplan.planner.planning import check_choices, host_limit, whole_step_budget
 from fxplan.planner.variants import Searches
 from fxplan.rewriter import offload as offload_runtime
@@ -314,10 +315,7 @@ def _graph_plan(searches: Searches, target: int | None, strategy: str, least: bo
 def _region_offloads(model: torch.nn.Module, call: ExampleCall, cg: Any, ops: dict,
                      loss_fn: Callable[[Any], torch.Tensor] | None, host_limit: int | None) -> RegionOffloads:
     """The offloading choice for plans applied to ``model`` (:mod:`fxplan.apply.offloaded`), its steps fake."""
-    T_seconds = cg.graph.get("T_seconds")
-    if T_seconds is None:
-        raise FxplanError("offloading needs node times to weigh copies against recomputation, and this cost graph "
-                          "has none (its costs are FLOPs: the model sits on a device fxplan cannot time here)")
+    T_seconds = seconds_per_T(cg)
 
     def measure(regions: list[RegionPlan]) -> OffloadedStep:
         with runtime.installed(model, regions), offload_runtime.recording() as records:
@@ -335,7 +333,7 @@ def _offloaded(offloads: RegionOffloads, applied: AppliedPlan, budget: int | Non
     fit = offloads.fit(applied.regions, budget)
     if fit is None:
         return applied
-    forward = cg.total_T() * cg.graph["T_seconds"] or 1.0
+    forward = cg.total_T() * seconds_per_T(cg) or 1.0
     with_copies = replace(applied, regions=fit.regions, measured_peak_bytes=fit.step.peak_bytes,
                           host_peak_bytes=fit.step.host_peak_bytes, exposed_copy_fraction=fit.exposed_seconds / forward)
     return with_copies if _better(with_copies, applied, budget) else applied

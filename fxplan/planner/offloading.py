@@ -111,8 +111,8 @@ class OffloadSearch:
             position = {v: i for i, v in enumerate(order)}
             outputs = _output_storages(cg)
             marked = [v for v in order if _storage_of(cg, v) not in outputs]
-            measured = self._meter(base).measure_offloaded(base.candidate.plan.segments, base.candidate.plan.children,
-                                                           marked)
+            plan = base.candidate.plan
+            measured = base.variant.search.meter.measure_offloaded(plan.segments, plan.children, marked)
             self.steps += 1
             if measured is None:
                 raise FxplanError("internal error: the rewriter rejects a plan it generated before, with offloads")
@@ -142,7 +142,7 @@ class OffloadSearch:
 
     def _measured(self, base: Choice, values: list[Offloadable]) -> _Fit | None:
         plan = base.candidate.plan
-        measured = self._meter(base).measure_offloaded(plan.segments, plan.children, [v.name for v in values])
+        measured = base.variant.search.meter.measure_offloaded(plan.segments, plan.children, [v.name for v in values])
         self.steps += 1
         if measured is None:
             return None
@@ -161,21 +161,14 @@ class OffloadSearch:
                              recomputed=recomputed)
 
     def _seconds_per_T(self, base: Choice) -> float:
-        T_seconds = base.variant.search.cg.graph.get("T_seconds")
-        if T_seconds is None:
-            raise FxplanError("offloading needs node times to weigh copies against recomputation, and this cost graph "
-                              "has none (its costs are FLOPs: the model sits on a device fxplan cannot time here)")
-        return T_seconds
-
-    def _meter(self, base: Choice):
-        return base.variant.search.meter
+        return seconds_per_T(base.variant.search.cg)
 
     def _module(self, fit: _Fit, budget_bytes: int | None) -> SegmentedModule:
         """The chosen fit's module over the model, its plan saying what is kept, recomputed and offloaded."""
         base = fit.choice
         planned = base.variant.finished_plan(base.candidate, budget_bytes)
         names = [v.name for v in fit.values]
-        module = self._meter(base).module(planned.segments, planned.children, fit.code, names)
+        module = base.variant.search.meter.module(planned.segments, planned.children, fit.code, names)
         module.fxplan_plan = replace(
             planned, offloaded=names, measured_peak_bytes=fit.stats.peak_bytes,
             host_peak_bytes=fit.stats.host_peak_bytes, copy_seconds=fit.schedule.copy_seconds,
@@ -190,6 +183,16 @@ class OffloadSearch:
             min_feasible_bytes=smallest,
             advice="Raise the budget to at least that or reduce the batch size"
                    + (", or allow more host memory" if self.host_limit is not None else "") + ".")
+
+
+def seconds_per_T(cg) -> float:
+    """Seconds per unit of the cost graph's ``T``: what weighs copies against recomputation. An FxplanError where
+    ``T`` is not time (FLOPs: the model sits on a device fxplan cannot time here)."""
+    T_seconds = cg.graph.get("T_seconds")
+    if T_seconds is None:
+        raise FxplanError("offloading needs node times to weigh copies against recomputation, and this cost graph "
+                          "has none (its costs are FLOPs: the model sits on a device fxplan cannot time here)")
+    return T_seconds
 
 
 def _storage_of(cg, name: str) -> str:

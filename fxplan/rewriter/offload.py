@@ -78,6 +78,7 @@ class _HostCopy:
         self.device = source.device
         self.on_device: torch.Tensor | None = None
         self.read = False  # whether backward has read it yet (a prefetched copy is on the device before that)
+        self.index = 0  # its place in the session's order of copies
         self.arrived: torch.cuda.Event | None = None
         stream = session.stream
         if stream is None:
@@ -133,7 +134,6 @@ class OffloadSession:
         # by live storage, version and dtype; weak, so that a copy dies with the last saved tensor that needs it
         self.copies: weakref.WeakValueDictionary[tuple, _HostCopy] = weakref.WeakValueDictionary()
         self.order: list[weakref.ref[_HostCopy]] = []  # in the order the forward saved them
-        self.position: dict[int, int] = {}  # id(copy) -> its index in ``order``
         real_cuda = device.type == "cuda" and torch.cuda.is_available()
         self.stream = torch.cuda.Stream(device) if real_cuda else None
 
@@ -166,7 +166,7 @@ class OffloadSession:
             records = getattr(_ACTIVE, "records", None)
             if records is not None:
                 records.append((self.marked[key], source.untyped_storage().nbytes()))
-            self.position[id(copy)] = len(self.order)
+            copy.index = len(self.order)
             self.order.append(weakref.ref(copy))
         return _Offloaded(copy, t)
 
@@ -183,7 +183,7 @@ class OffloadSession:
     def _prefetch_before(self, copy: _HostCopy) -> None:
         """Start bringing back the nearest value saved before ``copy`` that is not back yet: backward reads the
         values in about the reverse of the order the forward saved them."""
-        for ref in reversed(self.order[:self.position[id(copy)]]):
+        for ref in reversed(self.order[:copy.index]):
             earlier = ref()
             if earlier is not None and earlier.on_device is None:
                 earlier.fetch()
