@@ -24,7 +24,7 @@ from fxplan.capture import effects
 from fxplan.capture.capturers import CallInterface, Captured, ExampleCall, capture, symbolic_trace_module
 from fxplan.capture.fakes import caches_kept_real, refusing_data_dependent
 from fxplan.capture.regions import with_regions
-from fxplan.common import collector
+from fxplan.common import collector, heartbeat
 from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.host_link import host_link
 from fxplan.costs.trace import trace
@@ -210,13 +210,24 @@ def fit_budget(
     the chosen plan's module for ``budget_bytes``.
 
     Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
-    then the plan chosen, with seconds and fake-tensor steps."""
+    then the plan chosen, with seconds and fake-tensor steps, and every ``HEARTBEAT_S`` seconds in between the
+    stage it is in (:mod:`fxplan.common.heartbeat`)."""
+    with heartbeat.beating(f"planning {type(model).__name__}"):
+        return _fit(model, example_inputs, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn,
+                    offload=offload, host_limit=host_limit)
+
+
+def _fit(model: torch.nn.Module, example_inputs: tuple[Any, ...], budget_bytes: int | None, *, strategy: str,
+         solver: str, loss_fn: Callable[[Any], torch.Tensor] | None, offload: bool,
+         host_limit: int | None) -> SegmentedModule:
     t0 = time.perf_counter()
+    heartbeat.stage("capturing and tracing the model")
     cg = _traced(model, example_inputs, solver)
     logger.info("fxplan: traced %s with %s: %d nodes, %.1f s; planning for %s", type(model).__name__,
                 cg.graph["captured"].method, cg.number_of_nodes(), time.perf_counter() - t0,
                 "the smallest peak" if budget_bytes is None else f"a budget of {format_bytes(budget_bytes)}")
     t1 = time.perf_counter()
+    heartbeat.stage("searching the candidate plans")
     searches = Searches(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
     if offload:
         return _fit_with_offload(searches, budget_bytes, strategy, host_limit, t1)
@@ -229,6 +240,7 @@ def fit_budget(
                 100 * plan.recompute_fraction, recompute_note(plan.recompute_fraction, plan),
                 format_bytes(chosen.measured), time.perf_counter() - t1,
                 format_count(searches.candidates, "candidate plan"), searches.steps)
+    logger.debug("fxplan: the measured steps dispatched %d ATen calls", searches.work.ops)
     note = budget_note(plan)
     if note:
         logger.info("fxplan: %s", note)

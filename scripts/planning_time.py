@@ -2,11 +2,12 @@
 beside the goal of at most 3x the capture + 2 s, side by side in one run.
 
 The capture is ``torch.export`` (non-strict) of the same model and call for models fxplan captures by export (the
-Hugging Face ones), and one warm fake step (``fxplan.measure_step(fake=True)``) for models ``symbolic_trace``
-captures. The budget is halfway between the unplanned peak and the smallest one ``fxplan.rewrite`` reaches. Each
-model is built afresh (random weights from its config class) and each call runs once, one thread. Run:
+Hugging Face ones: GPT-2, Llama, and a 2-layer Mamba of width 64 with its reference scan), and one warm fake step
+(``fxplan.measure_step(fake=True)``) for models ``symbolic_trace`` captures. The budget is halfway between the
+unplanned peak and the smallest one ``fxplan.rewrite`` reaches. Each model is built afresh (random weights from its
+config class) and each call runs once, one thread. Run:
 
-    python scripts/planning_time.py [--models gpt2 llama resnet50]
+    python scripts/planning_time.py [--models gpt2 llama resnet50 mamba]
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ def _llama():
     return model, {"input_ids": ids, "labels": ids}, _hf_loss, "export"
 
 
+def _mamba():
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(num_hidden_layers=2, hidden_size=64,
+                                                                   vocab_size=1000, use_cache=False))
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}, _hf_loss, "export"
+
+
 def _resnet50():
     import torchvision
 
@@ -47,7 +58,7 @@ def _resnet50():
     return torchvision.models.resnet50(), (torch.randn(96, 3, 224, 224),), None, "fake step"
 
 
-MODELS = {"gpt2": _gpt2, "llama": _llama, "resnet50": _resnet50}
+MODELS = {"gpt2": _gpt2, "llama": _llama, "resnet50": _resnet50, "mamba": _mamba}
 
 
 def _hf_loss(output):

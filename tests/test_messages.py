@@ -211,3 +211,30 @@ def test_profile_prints_sizes_in_the_unit_that_fits(monkeypatch, capsys):
     assert "parameters 65.0 KiB" in out and " GiB" not in out
     peak = next(line for line in out.splitlines() if line.startswith("peak: "))
     assert peak.split()[2] == "KiB", peak
+
+
+def test_planning_says_every_few_seconds_what_stage_it_is_in(monkeypatch, caplog):
+    """Planning a large model takes minutes inside searches that log nothing until they end: a line at INFO, every
+    ``HEARTBEAT_S`` seconds, names the model, the seconds so far, the stage and the plans measured; no thread is left
+    behind."""
+    import threading
+
+    import torchvision
+
+    from fxplan.common import heartbeat
+
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_S", 0.01)
+    model = torchvision.models.resnet18()
+    x = torch.randn(2, 3, 32, 32)
+    with caplog.at_level(logging.INFO, logger="fxplan"):
+        fxplan.rewrite(model, example_inputs=(x,))
+        fxplan.auto_checkpoint(model, example_inputs=(x,))
+    fxplan.remove_checkpoints(model)
+    lines = [r.getMessage() for r in caplog.records if " s so far: " in r.getMessage()]
+    stages = {line.split(" s so far: ")[1].split(" (")[0] for line in lines}
+    assert any(line.startswith("fxplan: planning ResNet, ") for line in lines)
+    assert any(line.startswith("fxplan: planning ResNet's modules, ") for line in lines)
+    assert "capturing and tracing the model" in stages and "measuring the canonical plans of least peak" in stages
+    assert any(line.endswith("measured on fake tensors)") for line in lines)
+    assert not [t for t in threading.enumerate() if t.name == "fxplan-heartbeat"]
+    assert heartbeat._current == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import pickle
 import random
 import types
@@ -15,6 +16,7 @@ from reach_checks import assert_rewrite_exact
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fxplan
 from fxplan.errors import FxplanError
 from fxplan.measure import scratch
 from fxplan.measure.meter import measure_step
@@ -184,6 +186,41 @@ def test_the_nested_search_measures_at_most_its_budget_of_candidates():
     assert nested.NestedSearch(cg, meter, 0).improve(flat.plan, flat.measured, []) is None
     sizes = [nested.measurement_budget(n) for n in (10, 500, 1000, 10_000, 30_000)]
     assert sizes == sorted(sizes, reverse=True) and sizes[0] == nested.MEASUREMENTS and sizes[-1] == 0
+
+
+def test_the_searches_stop_measuring_once_the_planning_allowance_is_spent(monkeypatch, caplog):
+    """Every fake step counts its ATen calls against one allowance per planning call; once it is spent the nested
+    search measures nothing more and the rewrite keeps the lowest plan measured, whose measured peak is the
+    rewritten module's; a budget is still held."""
+    from fxplan.costs.trace import trace
+    from fxplan.planner import nested, plan_meter
+    from fxplan.planner.search import Search
+
+    model = Chain(convs=3)
+    x = (torch.randn(16, 3, 32, 32),)
+    cg = trace(model, x)
+    flat = Search(cg, model, x, solver="approx").smallest()
+    work = plan_meter.MeasuredWork(allowance=1)
+    search = nested.NestedSearch(cg, plan_meter.PlanMeter(cg, x, None, work), 1000)
+    with caplog.at_level(logging.INFO, logger="fxplan"):
+        search.improve(flat.plan, flat.measured, flat.segment_replayed)
+    assert 1000 - search.measurements_left == 1 and work.spent and work.ops > 0
+    assert any("the planning allowance" in r.getMessage() for r in caplog.records)
+
+    untrusting = Search(cg, model, x, solver="approx", trust_replay=False)
+    untrusting.smallest()
+    assert untrusting.meter.steps > 1  # it measures every canonical plan that may be the smallest
+    spent = Search(cg, model, x, solver="approx", trust_replay=False, work=plan_meter.MeasuredWork(allowance=1))
+    assert spent.smallest().measured is not None and spent.meter.steps == 1
+
+    lowest = fxplan.rewrite(model, example_inputs=x)
+    monkeypatch.setattr(plan_meter, "PLANNING_OPS", 1)
+    stopped = fxplan.rewrite(model, example_inputs=x)
+    assert stopped.fxplan_measured_peak_bytes == measure_step(stopped, x, fake=True).peak_bytes
+    assert lowest.fxplan_measured_peak_bytes <= stopped.fxplan_measured_peak_bytes
+    budget = (stopped.fxplan_measured_peak_bytes + measure_step(model, x, fake=True).peak_bytes) // 2
+    held = fxplan.rewrite(model, budget_bytes=budget, example_inputs=x)
+    assert held.fxplan_measured_peak_bytes <= budget
 
 
 def _unit_chain(n: int):

@@ -229,6 +229,35 @@ def test_no_unit_runs_a_node_that_updates_buffers_again():
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), opt.parameters()))
 
 
+class _SlicedReads(torch.nn.Module):
+    """A cheap value read slice by slice by ``n`` small matrix products: a scan's shape (a state-space model's)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.weight = n, torch.nn.Parameter(torch.randn(16384, 1))
+
+    def forward(self, x):
+        h = x * 2 + 1
+        return sum(h.select(1, i) @ self.weight for i in range(self.n))
+
+
+def test_a_unit_whose_backward_recomputes_more_than_a_forward_pass_is_left_out():
+    """Each saver's backward makes the unit's values again: read by one product they are made once, less than the
+    model's forward pass, which is worth the bytes; read by 16, slice by slice, they are made 16 times, more than a
+    forward pass, and checkpointing the whole model costs less."""
+    from fxplan.capture import recomputed_inputs
+
+    x = torch.randn(4, 16, 16384)
+    few, many = (trace(_SlicedReads(n), (x,), probe_units=True) for n in (1, 16))
+    forward = sum(d["T"] for _, d in many.nodes(data=True))
+    assert [len(u.savers) for u in find_units(few)] == [1]
+    assert find_units(many) == []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(recomputed_inputs, "MAX_FORWARDS", math.inf)
+        (unit,) = find_units(many)
+    assert sum(many.nodes[n]["T"] for n in unit.recomputed) > forward
+
+
 @pytest.mark.parametrize("fraction", [0.95, 0.7])
 def test_gpt2_rewritten_with_units_is_exact_and_fits(fraction):
     model, inputs = _gpt2()

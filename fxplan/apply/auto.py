@@ -32,7 +32,7 @@ from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for, worth_saving
 from fxplan.capture.capturers import ExampleCall, as_call
 from fxplan.capture.fakes import DATA_DEPENDENT, caches_kept_real, has_fake, refusing_data_dependent
 from fxplan.capture.guards import host_generators_kept, is_compiled, is_sharded
-from fxplan.common import collector
+from fxplan.common import collector, heartbeat
 from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.host_link import host_link
 from fxplan.costs.trace import trace
@@ -212,9 +212,15 @@ def _apply_given(model: torch.nn.Module, plan: AppliedPlan, call: ExampleCall, m
     return model
 
 
-def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, strategy: str, solver: str,
-            meter: _Meter, offload: tuple[bool, int | None] = (False, None)) -> AppliedPlan:
+def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, **how: Any) -> AppliedPlan:
+    with heartbeat.beating(f"planning {type(model).__name__}'s modules"):
+        return _search_plans(model, call, budget, **how)
+
+
+def _search_plans(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, strategy: str, solver: str,
+                  meter: _Meter, offload: tuple[bool, int | None] = (False, None)) -> AppliedPlan:
     t0 = time.perf_counter()
+    heartbeat.stage("measuring the unplanned step and tracing")
     loss_fn = meter.loss_fn
     regionable, unsharded = regionable_modules(model, call, loss_fn)
     vanilla = meter.peak(model, call, []) if meter.differs else unsharded
@@ -257,6 +263,7 @@ def _search(model: torch.nn.Module, call: ExampleCall, budget: int | None, *, st
             target = target - lowered if target is not None and lowered else None
             continue
         tried.add(signature)
+        heartbeat.stage(f"measuring plan {attempt + 1} applied to the model's modules")
         mapped = replace(graph_plan, offloaded=list(cg.nodes)) if offloads else graph_plan  # all it could offload
         made = [_applied(model, call, cg, ops, graph_plan, without_offloads(regions_for(
             mapped, ops, captured.gm, tree, regionable, mapping=mapping, blocks=blocks, worth=worth)), vanilla,

@@ -44,6 +44,13 @@ from fxplan.solvers.units import Unit
 
 _COMPUTE = ("call_function", "call_module")
 
+#: Most forward passes of the whole graph that one unit's backward may recompute (every saver's recipe runs the
+#: nodes it needs, so a value read by many savers is made again for each). Checkpointing the whole graph recomputes
+#: every node once, for less. The selective scan of a state-space model slices one value for each of its steps: a
+#: 2-layer Hugging Face Mamba's two scan units recomputed 11.7 forward passes each (their nodes 78 times). The units
+#: of the transformers checked recompute at most 0.35 of one (a 2-layer Mixtral of width 64; GPT-2 small 0.003).
+MAX_FORWARDS = 1.0
+
 
 @dataclass(frozen=True)
 class _Slot:
@@ -247,7 +254,8 @@ def find_units(cg) -> list[Unit]:
     not the model's output, every node that saves it can be
     replaced by a call, and each of its inputs is a parameter, buffer or model input, a value that joined
     before, or one that something saves (so it stays, and keeping it for a saver costs nothing). Units are
-    the connected groups of such values, joined where one saver saves values of two."""
+    the connected groups of such values, joined where one saver saves values of two; a unit whose backward
+    recomputes more than ``MAX_FORWARDS`` forward passes is left out."""
     if _TOP_HOOKS is None:
         return []
     gm = cg.graph["captured"].gm
@@ -278,7 +286,9 @@ def find_units(cg) -> list[Unit]:
         if all(a in members or roots[a].op in ("placeholder", "get_attr")
                or (roots[a] not in members and savers.get(roots[a])) for a in node.all_input_nodes):
             members.add(node)
-    return _units(gm, members, roots, savers)
+    forward = sum(d["T"] for _, d in cg.nodes(data=True))
+    return [u for u in _units(gm, members, roots, savers)
+            if sum(cg.nodes[name]["T"] for name in u.recomputed) <= MAX_FORWARDS * forward]
 
 
 def _units(gm: fx.GraphModule, members: set[fx.Node], roots: dict, savers: dict) -> list[Unit]:

@@ -46,6 +46,7 @@ class StepStats:
     gradients and backward temporaries. ``breakdown`` splits the live bytes at the peak moment by those
     categories. ``meter`` says which meter produced the numbers. ``host_peak_bytes`` is the most that the host
     copies of offloaded values held at once (:mod:`fxplan.rewriter.offload`), apart from ``peak_bytes``.
+    ``ops`` is how many ATen calls the metered step dispatched (0 where the meter does not see them).
     """
 
     peak_bytes: int
@@ -54,6 +55,7 @@ class StepStats:
     meter: str
     timeline: list[tuple[str, int]] | None = field(default=None, repr=False)
     host_peak_bytes: int = 0
+    ops: int = 0
 
     @property
     def peak_gib(self) -> float:
@@ -242,7 +244,7 @@ def _measure_tracked(model, inputs, loss_fn, timeline: bool, meter: str) -> Step
         del loss, out
     seconds = time.perf_counter() - start
     return StepStats(tracker.peak_bytes, _breakdown_at_peak(tracker, existing_grads(model)), seconds, meter,
-                     tracker.timeline, tracker.host_peak_bytes)
+                     tracker.timeline, tracker.host_peak_bytes, tracker.ops)
 
 
 def _breakdown_at_peak(tracker: StorageTracker, grads: list[torch.Tensor]) -> dict[str, int]:

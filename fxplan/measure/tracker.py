@@ -94,6 +94,7 @@ class StorageTracker(TorchDispatchMode):
         self.device = device  # where a storage that was not tracked but grows in place is charged
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.ops = 0  # ATen calls seen: the work of the step, whatever the machine's speed
         # storage key -> (bytes, category, serial); keys are addresses and get reused, serials never.
         self._live: dict[int, tuple[int, str, int]] = {}
         self._serials = itertools.count()
@@ -194,6 +195,7 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.ops += 1
         if func in METADATA_QUERIES:
             return out
         figures = call_figures(func, args, kwargs)

@@ -23,7 +23,7 @@ import torch
 from fxplan.common.console import format_count
 from fxplan.errors import FxplanError
 from fxplan.planner.frontier import SWEEP, Frontier, chen_plans, exact_family_size
-from fxplan.planner.plan_meter import PlanMeter
+from fxplan.planner.plan_meter import MeasuredWork, PlanMeter
 from fxplan.planner.planning import (
     check_choices,
     non_activation_bytes,
@@ -118,7 +118,7 @@ class Candidates:
     docstring); :class:`fxplan.planner.search.Search` chooses among them."""
 
     def __init__(self, cg: CostGraph, model: torch.nn.Module, example_inputs: tuple[Any, ...], *, solver: str,
-                 loss_fn: Callable[[Any], torch.Tensor] | None = None):
+                 loss_fn: Callable[[Any], torch.Tensor] | None = None, work: MeasuredWork | None = None):
         check_choices("time", solver)
         self.cg, self.inputs, self.loss_fn, self.solver = cg, example_inputs, loss_fn, solver
         self.step: StepModel = step_model(cg, model, example_inputs, loss_fn)
@@ -128,7 +128,7 @@ class Candidates:
         self._at: dict[int, Candidate | None] = {}  # the solver's own, by frontier position (None: no new plan)
         self._bottom_candidates: list[Candidate] | None = None  # :meth:`bottom`, once made
         self._others_smallest: list[Candidate] | None = None  # other solvers' smallest plans: :meth:`others_smallest`
-        self.meter = PlanMeter(cg, example_inputs, loss_fn)
+        self.meter = PlanMeter(cg, example_inputs, loss_fn, work)
 
     def _candidate(self, p: Plan, walk: bool) -> Candidate | None:
         """A new candidate for ``p`` (replayed when its peak is first asked for); None if a candidate has the same

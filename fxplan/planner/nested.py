@@ -295,6 +295,13 @@ class NestedSearch:
         """:func:`recompute_fraction` of a tree, from the costs read once."""
         return recompute_fraction(self.cg, blocks, T=self._T)
 
+    @property
+    def spent(self) -> bool:
+        """Whether the planning call's allowance of fake steps is spent
+        (:data:`fxplan.planner.plan_meter.PLANNING_OPS`): this search then ends, though it may rank by replay alone
+        (the replays of a graph that large take seconds too, and the plan it found would be measured)."""
+        return self.meter is not None and self.meter.work.spent
+
     def start_group(self) -> None:
         """Give the next :meth:`improve` calls together SEEDS_MEASUREMENTS times one call's measurements (the
         budget search starts a group per solver)."""
@@ -328,11 +335,11 @@ class NestedSearch:
         replays_left = CHEAPEN_REPLAY_WORK // max(self.cg.number_of_nodes(), 1)
         bar = self._replayed(found.blocks)
         cap = math.floor(min(found.measured * (1 + TOLERANCE), bar * (1 + RELATIVE_TOLERANCE)))  # _may_beat's
-        while left > 0 and replays_left > 0:
+        while left > 0 and replays_left > 0 and not self.spent:
             options = sorted((rf, n, t) for n, t in enumerate(self._cheaper(best.blocks))
                              if (rf := self._recompute(t)) < best.recompute_fraction)
             for rf, _, tree in options:
-                if left <= 0 or replays_left <= 0:
+                if left <= 0 or replays_left <= 0 or self.spent:
                     break
                 replays_left -= self.replayed is not None
                 predicted = self._replayed(tree, cap, best.blocks)
@@ -455,7 +462,7 @@ class NestedSearch:
             moves = itertools.islice(self._moves(best_blocks, rank), MOVES_PER_ROUND)
             for predicted, cand in self._promising(moves, best_replayed - 1, best_blocks):
                 bar, replayed_bar = (best, best_replayed) if round_best is None else (round_best[0], round_best[3])
-                if idle == patience or min(self.measurements_left, self.total_left) <= 0 \
+                if idle == patience or min(self.measurements_left, self.total_left) <= 0 or self.spent \
                         or not self._may_beat(predicted, bar, replayed_bar, gain=True):
                     break
                 got = self.measure(cand, predicted)

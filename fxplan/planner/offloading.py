@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+from fxplan.common import heartbeat
 from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.host_link import HostLink
 from fxplan.errors import BudgetError, FxplanError
@@ -86,6 +87,7 @@ class OffloadSearch:
     def _fit(self, base: Choice, budget_bytes: int | None) -> _Fit | None:
         """The fewest values of ``base``'s census to offload for ``budget_bytes`` (all of them for None), measured; the
         most it can offload where even that does not fit."""
+        heartbeat.stage("measuring which saved values to offload")
         values = self._within_host_limit(self._census(base))
         everything = self._measured(base, values)
         if everything is None:

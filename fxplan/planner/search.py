@@ -71,12 +71,14 @@ from typing import Any
 import torch
 
 from fxplan.capture.guards import host_generators_kept
+from fxplan.common import heartbeat
 from fxplan.common.console import format_bytes
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.floor import physical_floor
 from fxplan.planner.candidates import MARGIN, Candidate, Candidates, in_replay_order
 from fxplan.planner.near_replay import NearReplays
 from fxplan.planner.nested import NestedResult, NestedSearch
+from fxplan.planner.plan_meter import MeasuredWork
 from fxplan.planner.planning import check_choices
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers import subplans
@@ -154,8 +156,8 @@ class Search(Candidates):
 
     def __init__(self, cg: CostGraph, model: torch.nn.Module, example_inputs: tuple[Any, ...], *, solver: str,
                  loss_fn: Callable[[Any], torch.Tensor] | None = None, trust_replay: bool = True,
-                 step_floor: StepFloor | None = None):
-        super().__init__(cg, model, example_inputs, solver=solver, loss_fn=loss_fn)
+                 step_floor: StepFloor | None = None, work: MeasuredWork | None = None):
+        super().__init__(cg, model, example_inputs, solver=solver, loss_fn=loss_fn, work=work)
         self.step_floor = step_floor or StepFloor(model, example_inputs, loss_fn)
         self.trust_replay = trust_replay  # may the nested search rank by replay (TRUST)? False: it measures
         self._near = NearReplays(cg, self.step)  # the nested search's moves, replayed from the tree they move
@@ -183,10 +185,11 @@ class Search(Candidates):
         (:meth:`_trusted`), the least replayed peak (ties: least recomputation), measured: another
         candidate could measure lower by at most twice ``TRUST``."""
         best: Candidate | None = None
+        heartbeat.stage("measuring the canonical plans of least peak")
 
         def done(c: Candidate) -> bool:
             return best is not None and (self._trusted() or not self.may_fit(c, best.measured)
-                                         or self.step_floor.reached(best.measured))
+                                         or self.step_floor.reached(best.measured) or self.meter.work.spent)
 
         for c in in_replay_order(candidates, done):
             m = self.measure(c)
@@ -267,12 +270,13 @@ class Search(Candidates):
     def _nested_search(self, lowest: Candidate, trusted: bool) -> Candidate:
         """The lowest of ``lowest`` (:meth:`smallest`) and the nested plans found from :meth:`_seeds` (ranked by
         replay if ``trusted``, then not measured), keeping the nested search for :meth:`_nested_fit`."""
+        heartbeat.stage("searching nested plans below the canonical ones" + (" by replay" if trusted else ""))
         self._nested = nested = NestedSearch(self.cg, self.meter, replayed=self._replay_tree, trusted=trusted)
         found_at, started = None, set()
         for group in self._seeds(trusted, lowest) if nested.max_measurements > 0 else []:
             nested.start_group()  # a budget per solver: see _seeds
             for seed in group:
-                if nested.total_left <= 0:
+                if nested.total_left <= 0 or nested.spent:
                     break
                 if id(seed) in started:  # a plan of two solvers: searched from once
                     continue
@@ -282,6 +286,7 @@ class Search(Candidates):
                 if found is not None and found.measured < (lowest.replayed if trusted else lowest.measured):
                     lowest, found_at = self._nested_candidate(found, seed.plan), (found, seed.plan)
         if found_at is not None:  # plans of that peak that recompute less join nested.measured
+            heartbeat.stage("searching nested plans of that peak that recompute less")
             nested.cheapen(*found_at)
         return lowest
 

@@ -53,9 +53,11 @@ import torch
 
 from fxplan.capture.fakes import DATA_DEPENDENT
 from fxplan.capture.regions import Region, dropped_bytes, recompute_cost, regions_of, with_regions
+from fxplan.common import heartbeat
 from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.planner.candidates import Candidate
+from fxplan.planner.plan_meter import MeasuredWork
 from fxplan.planner.search import NEGLIGIBLE, Search, StepFloor, replayed_within_trust
 from fxplan.planner.splice import SpliceError, derived, spliced
 from fxplan.rewriter.codegen import SegmentedModule
@@ -135,8 +137,8 @@ class Searches:
                  loss_fn: Callable[[Any], torch.Tensor] | None = None):
         self.model, self.inputs, self.solver, self.loss_fn = model, example_inputs, solver, loss_fn
         self.step_floor = StepFloor(model, example_inputs, loss_fn)  # one model, one step: its graphs share it
-        self.plain = Variant(Search(cg, model, example_inputs, solver=solver, loss_fn=loss_fn,
-                                    step_floor=self.step_floor), [])
+        self.work = MeasuredWork()  # and the allowance of fake steps
+        self.plain = Variant(self._search(cg), [])
         # Chen's plans stay the paper's baseline (fxplan.planner.search): no regions for solver="chen"
         self._regions = regions_of(cg) if solver != "chen" else []
         self._region_T = recompute_cost(cg, self._regions)  # what any plan with regions recomputes, at least
@@ -155,15 +157,19 @@ class Searches:
             return None
         if self._with_regions is None:
             t0 = time.perf_counter()
+            heartbeat.stage(f"making the graph with {regions_recomputed([r.conv for r in self._regions])} "
+                            "recomputed in backward")
             made = self._guarded(lambda: self._graph_with(self._regions))
             if made is None:
                 return None
-            search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn,
-                            step_floor=self.step_floor)
-            self._with_regions = Variant(search, self._regions, self._region_T)
+            self._with_regions = Variant(self._search(made), self._regions, self._region_T)
             logger.info("fxplan: made the graph with %s recomputed in backward in %.1f s",
                         regions_recomputed([r.conv for r in self._regions]), time.perf_counter() - t0)
         return self._with_regions
+
+    def _search(self, cg: CostGraph) -> Search:
+        return Search(cg, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn,
+                      step_floor=self.step_floor, work=self.work)
 
     def _graph_with(self, regions: list) -> CostGraph:
         """The cost graph with ``regions``: derived from the captured graph's trace for units of recomputed inputs
@@ -206,9 +212,7 @@ class Searches:
             made = self._guarded(graph)
             if made is None:
                 return None
-            search = Search(made, self.model, self.inputs, solver=self.solver, loss_fn=self.loss_fn,
-                            step_floor=self.step_floor)
-            self._subsets[key] = Variant(search, subset, recompute_cost(cg, subset))
+            self._subsets[key] = Variant(self._search(made), subset, recompute_cost(cg, subset))
         return self._subsets[key]
 
     def region_subsets(self) -> list[list[Region]]:
@@ -370,7 +374,7 @@ class Searches:
     @property
     def steps(self) -> int:
         """Plans measured on fake tensors so far, over both graphs (for the log)."""
-        return sum(v.search.meter.steps for v in self.variants)
+        return self.work.steps
 
 
 class _RegionsFailed(Exception):
