@@ -74,15 +74,8 @@ class PlanMeter:
     def measure(self, segments: list[list[str]], children: dict) -> tuple[int, str] | None:
         """The measured peak of one step of the plan's module and the module's code; None if the
         rewriter rejects the plan."""
-        gm, inputs, fake_mode = self._fake_graph()
-        try:
-            twin = segment_module(gm, segments, children)
-        except FxplanError as exc:
-            logger.debug("plan of %s rejected by the rewriter: %s", format_count(len(segments), "segment"), exc)
-            return None
-        stats = measure_fake(twin, inputs, fake_mode, self.loss_fn)
-        self._count(stats)
-        return stats.peak_bytes, code_of(twin)
+        step = self._step(segments, children, ())
+        return None if step is None else (step[0].peak_bytes, step[2])
 
     def measure_offloaded(self, segments: list[list[str]], children: dict,
                           offloaded: Sequence[str]) -> tuple[StepStats, list[tuple[str, int]], str] | None:
@@ -90,21 +83,22 @@ class PlanMeter:
         (:mod:`fxplan.rewriter.offload`): the step's figures, the values the step really offloaded (node name and
         host bytes, in the order the forward saved them: :func:`fxplan.rewriter.offload.recording`) and the module's
         code; None if the rewriter rejects the plan."""
+        return self._step(segments, children, offloaded)
+
+    def _step(self, segments: list[list[str]], children: dict,
+              offloaded: Sequence[str]) -> tuple[StepStats, list[tuple[str, int]], str] | None:
         gm, inputs, fake_mode = self._fake_graph()
         try:
             twin = segment_module(gm, segments, children, offloaded)
         except FxplanError as exc:
-            logger.debug("offloading plan rejected by the rewriter: %s", exc)
+            logger.debug("plan of %s rejected by the rewriter: %s", format_count(len(segments), "segment"), exc)
             return None
         with offload.recording() as records:
             stats = measure_fake(twin, inputs, fake_mode, self.loss_fn)
-        self._count(stats)
-        return stats, records, code_of(twin)
-
-    def _count(self, stats: StepStats) -> None:
         self.steps += 1
         self.work.add(stats)
         heartbeat.measured()
+        return stats, records, code_of(twin)
 
     def module(self, segments: list[list[str]], children: dict, code: str | None,
                offloaded: Sequence[str] = ()) -> SegmentedModule:
