@@ -19,7 +19,7 @@ from fxplan.capture import effects
 from fxplan.capture.capturers import capture
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.rewriter.codegen import segment_module
-from fxplan.solvers.offload import Offloadable, copy_schedule, offload_order
+from fxplan.solvers.offload import Offloadable, copy_schedule, fewest_offloaded, offload_order
 from fxplan.solvers.plans import Plan
 
 transformers = pytest.importorskip("transformers")
@@ -70,6 +70,24 @@ def _sgd_steps(model: torch.nn.Module, x: torch.Tensor, loss_fn, steps: int = 2)
         optimizer.step()
         losses.append(loss.detach())
     return losses
+
+
+def test_the_fewest_values_offloaded_that_fit_are_found_by_bisection():
+    peaks = [100, 90, 80, 70, 60, 60, 60]  # the device peak with the first k values offloaded
+    asked = []
+
+    def measure(k):
+        asked.append(k)
+        return k, peaks[k]
+
+    def fewest(bar, measure=measure):
+        return fewest_offloaded((6, peaks[6]), 6, measure, lambda step: step[1] <= bar)[0]
+
+    assert [fewest(bar) for bar in (100, 85, 80, 60)] == [0, 2, 2, 4]
+    assert len(asked) <= 4 * 3  # at most log2 of the count, plus one, each
+    assert fewest(59) == 6  # nothing fewer fits: all of them, as measured before
+    # a plan the rewriter rejects (None) counts as not fitting: the bisection looks above it
+    assert fewest(80, lambda k: None if k == 3 else (k, peaks[k])) == 4
 
 
 def test_every_value_offloaded_trains_residual_blocks_exactly_batchnorm_buffers_and_inplace_relus_included():

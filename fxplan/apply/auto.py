@@ -40,6 +40,7 @@ from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import device_of, measure_step
 from fxplan.planner.offloading import seconds_per_T
 from fxplan.planner.planning import check_choices, host_limit, whole_step_budget
+from fxplan.planner.search import NEGLIGIBLE
 from fxplan.planner.variants import Searches
 from fxplan.rewriter import offload as offload_runtime
 from fxplan.solvers.plans import Plan
@@ -403,10 +404,15 @@ def _compiled_peak(model: torch.nn.Module, call: ExampleCall, regions: list[Regi
 
 
 def _better(a: AppliedPlan, b: AppliedPlan, budget: int | None) -> bool:
+    """Whether ``a`` is the better answer for ``budget``: it fits where ``b`` does not; both fitting, it adds less
+    time; neither, it peaks lower. Without a budget, the lower peak, unless the two are within ``NEGLIGIBLE``: then
+    the one adding less time (the rewrite's smallest is chosen so too)."""
     fits_a = budget is None or a.measured_peak_bytes <= budget
     fits_b = budget is None or b.measured_peak_bytes <= budget
     if fits_a != fits_b:
         return fits_a
+    if budget is None and abs(a.measured_peak_bytes - b.measured_peak_bytes) <= NEGLIGIBLE * b.measured_peak_bytes:
+        return (a.time_fraction, a.measured_peak_bytes) < (b.time_fraction, b.measured_peak_bytes)
     if budget is None or not fits_a:
         return a.measured_peak_bytes < b.measured_peak_bytes
     return a.time_fraction < b.time_fraction

@@ -12,13 +12,15 @@ reaches the module's last node, where the module's recomputation starts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fxplan.apply.regions import RegionPlan
 from fxplan.apply.runtime import call_label
 from fxplan.costs.host_link import HostLink
-from fxplan.solvers.offload import Offloadable, copy_schedule
+from fxplan.planner.search import NEGLIGIBLE
+from fxplan.solvers.offload import Offloadable, copy_schedule, fewest_offloaded
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,9 @@ class RegionOffloads:
         self.position = {v: i for i, v in enumerate(node_seconds)}
 
     def fit(self, regions: list[RegionPlan], budget: int | None) -> OffloadFit | None:
-        """The fewest regions to offload (in forward order) for ``budget`` (None: all of them), within the host limit;
-        None where offloading all of them does not lower the peak of ``regions`` or breaks the host limit."""
+        """The fewest regions to offload (in forward order) for ``budget`` (None: for a device peak within
+        ``NEGLIGIBLE`` of offloading all of them), within the host limit; None where there is nothing to offload or the
+        host limit leaves nothing."""
         order = [i for i, r in enumerate(regions) if any(r.offloadable)]
         if not order:
             return None
@@ -64,17 +67,11 @@ class RegionOffloads:
             most = self._with(regions, order, most.count // 2)  # halve until the host copies fit
         if most is None or most.count == 0:
             return None
-        if budget is None or most.step.peak_bytes > budget:
+        if budget is not None and most.step.peak_bytes > budget:
             return most
-        low, high, best = 0, most.count, most
-        while low < high:
-            middle = (low + high) // 2
-            fit = self._with(regions, order, middle)
-            if fit.step.peak_bytes <= budget:
-                high, best = middle, fit
-            else:
-                low = middle + 1
-        return best
+        bar = budget if budget is not None else math.floor(most.step.peak_bytes * (1 + NEGLIGIBLE))
+        return fewest_offloaded(most, most.count, lambda k: self._with(regions, order, k),
+                                lambda fit: fit.step.peak_bytes <= bar)
 
     def _with(self, regions: list[RegionPlan], order: list[int], count: int) -> OffloadFit:
         on = set(order[:count])

@@ -8,12 +8,13 @@ offloaded in the order of :func:`fxplan.solvers.offload.offload_order`, as few a
 found by bisection on measured steps (device bytes; the host copies counted apart), within the host-memory limit.
 Each way to fit is priced as the extra seconds of one step: recomputation (the cost graph's forward times) plus the
 copy time compute cannot hide (:func:`fxplan.solvers.offload.copy_schedule`); the cheapest is chosen. Without a
-budget, the lowest device peak is.
+budget, the lowest device peak is, offloading the fewest values that come within ``NEGLIGIBLE`` of offloading all.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 from fxplan.common import heartbeat
@@ -21,9 +22,10 @@ from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.host_link import HostLink
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import StepStats
+from fxplan.planner.search import NEGLIGIBLE
 from fxplan.planner.variants import Choice, Searches
 from fxplan.rewriter.codegen import SegmentedModule
-from fxplan.solvers.offload import CopySchedule, Offloadable, copy_schedule, offload_order
+from fxplan.solvers.offload import CopySchedule, Offloadable, copy_schedule, fewest_offloaded, offload_order
 from fxplan.solvers.plans import Plan
 
 logger = logging.getLogger("fxplan")
@@ -85,24 +87,16 @@ class OffloadSearch:
         return list(unique.values())
 
     def _fit(self, base: Choice, budget_bytes: int | None) -> _Fit | None:
-        """The fewest values of ``base``'s census to offload for ``budget_bytes`` (all of them for None), measured; the
-        most it can offload where even that does not fit."""
+        """The fewest values of ``base``'s census to offload for ``budget_bytes`` (None: for a device peak within
+        ``NEGLIGIBLE`` of offloading all of them), measured; the most it can offload where even that does not fit."""
         heartbeat.stage("measuring which saved values to offload")
         values = self._within_host_limit(self._census(base))
         everything = self._measured(base, values)
-        if everything is None:
-            return None
-        if budget_bytes is None or everything.stats.peak_bytes > budget_bytes:
+        if everything is None or (budget_bytes is not None and everything.stats.peak_bytes > budget_bytes):
             return everything
-        low, high, best = 0, len(values), everything  # bisect the count: the device peak falls as more go
-        while low < high:
-            middle = (low + high) // 2
-            fit = self._measured(base, values[:middle])
-            if fit is not None and fit.stats.peak_bytes <= budget_bytes:
-                high, best = middle, fit
-            else:
-                low = middle + 1
-        return best
+        bar = budget_bytes if budget_bytes is not None else math.floor(everything.stats.peak_bytes * (1 + NEGLIGIBLE))
+        return fewest_offloaded(everything, len(values), lambda k: self._measured(base, values[:k]),
+                                lambda fit: fit.stats.peak_bytes <= bar)
 
     def _census(self, base: Choice) -> list[Offloadable]:
         """The values ``base``'s step saves for backward that may be offloaded, in the order to offload them."""

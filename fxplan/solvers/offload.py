@@ -27,8 +27,11 @@ The time model, a simulation of the two copy directions as one queue each (a GPU
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+Step = TypeVar("Step")
 
 #: Backward time of a node as a multiple of its forward time (two matrix products per forward one, for a linear
 #: layer or a convolution: the gradients of the input and of the weight).
@@ -63,6 +66,22 @@ class CopySchedule:
 def offload_order(values: Sequence[Offloadable]) -> list[Offloadable]:
     """The order in which to offload ``values``: the earliest made first (module docstring)."""
     return sorted(values, key=lambda v: (v.made_at, -v.last_read_at, v.name))
+
+
+def fewest_offloaded(most: Step, count: int, measure: Callable[[int], Step | None],
+                     fits: Callable[[Step], bool]) -> Step:
+    """The measured step of the fewest of the first ``count`` values in offload order whose step ``fits``, found
+    by bisection (the device peak falls as more values go); ``most``, the step with all ``count`` offloaded, fits.
+    ``measure(k)``: the step with the first ``k`` offloaded, None where it cannot be made."""
+    low, high, best = 0, count, most
+    while low < high:
+        middle = (low + high) // 2
+        step = measure(middle)
+        if step is not None and fits(step):
+            high, best = middle, step
+        else:
+            low = middle + 1
+    return best
 
 
 def copy_schedule(values: Sequence[Offloadable], forward_seconds: Sequence[float], link_bytes_per_s: float, *,
