@@ -33,10 +33,11 @@ logger = logging.getLogger("fxplan")
 
 #: The most ATen calls the fake steps of one planning call dispatch together before the searches for a lower peak
 #: stop at the lowest plan measured (a plan for a budget is still measured until one fits). A fake step's time is
-#: its dispatch overhead, about 50 to 100 microseconds a call on the 2-core CPU of docs/planner.md, so this bounds
-#: the seconds spent measuring on any model, in a count that is the same on every machine. The zoo and the held-out
-#: models of docs/rewrite.md dispatch at most 75,000 (Mixtral, 31 steps); a 2-layer Hugging Face Mamba, whose
-#: reference scan makes 48,000 calls a rewritten step, used 2.9 million, 280 s, for a plan 0.5% lower.
+#: its dispatch overhead, about 100 microseconds a call on the 2-core CPU of docs/planner.md, so this bounds the
+#: seconds spent measuring on any model, in a count that is the same on every machine. Nine zoo and held-out models
+#: checked dispatch at most 73,151 (a 2-layer Mixtral, 31 steps: ``scripts/planning_allowance.py``); a 2-layer Hugging
+#: Face Mamba, whose rewritten steps replay its scan, reaches it after 19 steps and plans in 58 s where it took 174 s
+#: for a peak 11.9% lower.
 PLANNING_OPS = 300_000
 
 
