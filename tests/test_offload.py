@@ -215,3 +215,33 @@ def test_auto_checkpoint_offloads_what_its_modules_save_and_trains_exactly():
         assert torch.equal(*losses)
         for (name, a), b in zip(reference.named_parameters(), model.parameters()):
             assert torch.equal(a, b), name
+
+
+def test_an_offloading_plan_trains_under_hugging_face_trainer_with_the_unplanned_losses(tmp_path):
+    """Trainer with default arguments runs the model's own forward: the offloading hooks copy what the checkpointed
+    modules save in every step it takes, and the losses are the unplanned model's."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from tiny_models import hf_loss, tiny_gpt2
+
+    from fxplan.rewriter import offload
+
+    ids = torch.randint(0, 1000, (8, 64), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": row, "labels": row} for row in ids]
+
+    def train(model, out):
+        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=2,
+                                              logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                                              save_strategy="no", disable_tqdm=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    planned = tiny_gpt2()
+    batch = {"input_ids": ids[:4], "labels": ids[:4]}
+    fxplan.auto_checkpoint(planned, example_inputs=batch, loss_fn=hf_loss, offload=True)
+    assert planned.fxplan_plan.offloaded_calls > 0
+    with offload.recording() as copied:
+        losses = train(planned, tmp_path / "planned")
+    assert copied  # the host copies were made during the Trainer's steps
+    assert len(losses) == 2 and losses == train(tiny_gpt2(), tmp_path / "reference")
