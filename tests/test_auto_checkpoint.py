@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from tiny_models import hf_loss, tiny_gpt2, token_batch, train_step
+from tiny_models import hf_loss, tiny_gpt2, token_batch, train_step, trainer_losses
 from torch import nn
 
 import fxplan
@@ -157,12 +157,7 @@ def test_trainer_with_default_arguments_trains_the_planned_model_within_its_budg
     rows = [{"input_ids": row, "labels": row} for row in ids]
 
     def train(model, out):
-        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=3,
-                                              logging_steps=1, report_to=[], use_cpu=True, seed=0,
-                                              save_strategy="no", disable_tqdm=True)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-        trainer.train()
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], trainer
+        return trainer_losses(model, rows, str(out), max_steps=3)
 
     planned = make()
     batch = {"input_ids": ids[:4], "labels": ids[:4]}

@@ -220,9 +220,9 @@ def test_auto_checkpoint_offloads_what_its_modules_save_and_trains_exactly():
 def test_an_offloading_plan_trains_under_hugging_face_trainer_with_the_unplanned_losses(tmp_path):
     """Trainer with default arguments runs the model's own forward: the offloading hooks copy what the checkpointed
     modules save in every step it takes, and the losses are the unplanned model's."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from tiny_models import hf_loss, tiny_gpt2
+    from tiny_models import hf_loss, tiny_gpt2, trainer_losses
 
     from fxplan.rewriter import offload
 
@@ -230,12 +230,7 @@ def test_an_offloading_plan_trains_under_hugging_face_trainer_with_the_unplanned
     rows = [{"input_ids": row, "labels": row} for row in ids]
 
     def train(model, out):
-        args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=2,
-                                              logging_steps=1, report_to=[], use_cpu=True, seed=0,
-                                              save_strategy="no", disable_tqdm=True)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
-        trainer.train()
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return trainer_losses(model, rows, str(out), max_steps=2)[0]
 
     planned = tiny_gpt2()
     batch = {"input_ids": ids[:4], "labels": ids[:4]}

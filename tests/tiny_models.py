@@ -33,3 +33,16 @@ def train_step(model: nn.Module, batch: dict, seed: int) -> tuple[torch.Tensor, 
     loss = model(**batch).loss
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def trainer_losses(model: nn.Module, rows: list[dict], out: str, max_steps: int) -> tuple[list[float], Any]:
+    """The logged losses of ``max_steps`` steps of a Hugging Face ``Trainer`` with default arguments (batch 4, CPU,
+    seed 0, nothing saved) on the dataset ``rows``, and the trainer."""
+    import transformers
+
+    args = transformers.TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=max_steps,
+                                          logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no",
+                                          disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], trainer
