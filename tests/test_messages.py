@@ -237,4 +237,4 @@ def test_planning_says_every_few_seconds_what_stage_it_is_in(monkeypatch, caplog
     assert "capturing and tracing the model" in stages and "measuring the canonical plans of least peak" in stages
     assert any(line.endswith("measured on fake tensors)") for line in lines)
     assert not [t for t in threading.enumerate() if t.name == "fxplan-heartbeat"]
-    assert heartbeat._current == []
+    assert heartbeat._beats() == []

@@ -34,7 +34,11 @@ class _Beat:
         return f"fxplan: {self.what}, {time.perf_counter() - self.start:.0f} s so far: {self.stage}{plans}"
 
 
-_current: list[_Beat] = []
+_local = threading.local()  # per planning thread: two threads planning at once each get their own lines
+
+
+def _beats() -> list[_Beat]:
+    return _local.__dict__.setdefault("beats", [])
 
 
 @contextlib.contextmanager
@@ -42,7 +46,8 @@ def beating(what: str, every_s: float | None = None) -> Iterator[None]:
     """Log the planning call's stage every ``every_s`` seconds (None: ``HEARTBEAT_S``) while the block runs
     (``what``: ``planning GPT2LMHeadModel``)."""
     every_s = HEARTBEAT_S if every_s is None else every_s
-    if _current:  # planning inside planning (a part of a model): the outer call's lines go on
+    beats = _beats()
+    if beats:  # planning inside planning (a part of a model): the outer call's lines go on
         yield
         return
     beat, done = _Beat(what), threading.Event()
@@ -52,23 +57,25 @@ def beating(what: str, every_s: float | None = None) -> Iterator[None]:
             logger.info(beat.line())
 
     thread = threading.Thread(target=run, name="fxplan-heartbeat", daemon=True)
-    _current.append(beat)
+    beats.append(beat)
     thread.start()
     try:
         yield
     finally:
         done.set()
         thread.join()
-        _current.remove(beat)
+        beats.remove(beat)
 
 
 def stage(text: str) -> None:
     """Say what the planning call is doing now (``searching nested plans``)."""
-    if _current:
-        _current[-1].stage = text
+    beats = _beats()
+    if beats:
+        beats[-1].stage = text
 
 
 def measured() -> None:
     """Count one plan measured on fake tensors."""
-    if _current:
-        _current[-1].measured += 1
+    beats = _beats()
+    if beats:
+        beats[-1].measured += 1
