@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "tensors at the main batch)")
     cmp.add_argument("--curve-points", type=fractions, default=DEFAULT_CURVE_POINTS,
                      help="extra budgets for the trade-off curve, as fractions of the way from the smallest "
-                          "feasible budget (0) to vanilla's peak (1), comma-separated ('' for none)")
+                          "feasible budget (0) to vanilla's peak (1), comma-separated (default 0.5; '' for none)")
     cmp.add_argument("--no-exact", action="store_true", help="skip the exact DP rows")
     cmp.add_argument("--device", default=None, help="device of the real steps (default: cuda if present, else cpu)")
     cmp.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
