@@ -209,6 +209,7 @@ class Search(Candidates):
         measured peak. No nested search is made where :meth:`smallest` measures within ``FLOOR_SLACK`` of the
         physical floor."""
         if self._lowest is None:
+            heartbeat.stage("solving and replaying the canonical plans of least peak")
             self._lowest = self._nested_first()
         if self._lowest is None:
             smallest = self.smallest()  # measures the candidates the replay is judged by
