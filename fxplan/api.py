@@ -256,7 +256,7 @@ def _fit_with_offload(searches: Searches, budget_bytes: int | None, strategy: st
                 "%.1f s (%d measured on fake tensors)", format_count(plan.num_segments, "segment"),
                 100 * plan.recompute_fraction, format_count(len(plan.offloaded), "value"),
                 format_bytes(plan.host_peak_bytes or 0), format_bytes(plan.measured_peak_bytes),
-                time.perf_counter() - start, searches.steps + search.steps)
+                time.perf_counter() - start, searches.steps)
     return module
 
 

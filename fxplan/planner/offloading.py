@@ -51,7 +51,6 @@ class OffloadSearch:
     def __init__(self, searches: Searches, link: HostLink, host_limit: int | None = None):
         self.searches, self.link, self.host_limit = searches, link, host_limit
         self._censuses: dict[int, list[Offloadable]] = {}
-        self.steps = 0
 
     def choose(self, budget_bytes: int | None, strategy: str) -> SegmentedModule:
         """The module of the cheapest way to fit ``budget_bytes`` (None: the lowest device peak)."""
@@ -109,7 +108,6 @@ class OffloadSearch:
             marked = [v for v in order if _storage_of(cg, v) not in outputs]
             plan = base.candidate.plan
             measured = base.variant.search.meter.measure_offloaded(plan.segments, plan.children, marked)
-            self.steps += 1
             if measured is None:
                 raise FxplanError("internal error: the rewriter rejects a plan it generated before, with offloads")
             seen, values = set(), []
@@ -139,7 +137,6 @@ class OffloadSearch:
     def _measured(self, base: Choice, values: list[Offloadable]) -> _Fit | None:
         plan = base.candidate.plan
         measured = base.variant.search.meter.measure_offloaded(plan.segments, plan.children, [v.name for v in values])
-        self.steps += 1
         if measured is None:
             return None
         stats, _, code = measured

@@ -373,7 +373,7 @@ class Searches:
 
     @property
     def steps(self) -> int:
-        """Plans measured on fake tensors so far, over both graphs (for the log)."""
+        """Plans measured on fake tensors so far, over every graph, the offloading search's included (for the log)."""
         return self.work.steps
 
 
