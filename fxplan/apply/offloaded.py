@@ -12,14 +12,13 @@ reaches the module's last node, where the module's recomputation starts.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fxplan.apply.regions import RegionPlan
 from fxplan.apply.runtime import call_label
 from fxplan.costs.host_link import HostLink
-from fxplan.planner.search import NEGLIGIBLE
+from fxplan.planner.search import negligibly_above
 from fxplan.solvers.offload import Offloadable, copy_schedule, fewest_offloaded
 
 
@@ -69,7 +68,7 @@ class RegionOffloads:
             return None
         if budget is not None and most.step.peak_bytes > budget:
             return most
-        bar = budget if budget is not None else math.floor(most.step.peak_bytes * (1 + NEGLIGIBLE))
+        bar = budget if budget is not None else negligibly_above(most.step.peak_bytes)
         return fewest_offloaded(most, most.count, lambda k: self._with(regions, order, k),
                                 lambda fit: fit.step.peak_bytes <= bar)
 

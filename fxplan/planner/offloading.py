@@ -14,7 +14,6 @@ budget, the lowest device peak is, offloading the fewest values that come within
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, replace
 
 from fxplan.common import heartbeat
@@ -22,7 +21,7 @@ from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.host_link import HostLink
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import StepStats
-from fxplan.planner.search import NEGLIGIBLE
+from fxplan.planner.search import negligibly_above
 from fxplan.planner.variants import Choice, Searches
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers.offload import CopySchedule, Offloadable, copy_schedule, fewest_offloaded, offload_order
@@ -93,7 +92,7 @@ class OffloadSearch:
         everything = self._measured(base, values)
         if everything is None or (budget_bytes is not None and everything.stats.peak_bytes > budget_bytes):
             return everything
-        bar = budget_bytes if budget_bytes is not None else math.floor(everything.stats.peak_bytes * (1 + NEGLIGIBLE))
+        bar = budget_bytes if budget_bytes is not None else negligibly_above(everything.stats.peak_bytes)
         return fewest_offloaded(everything, len(values), lambda k: self._measured(base, values[:k]),
                                 lambda fit: fit.stats.peak_bytes <= bar)
 

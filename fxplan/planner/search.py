@@ -103,6 +103,11 @@ NESTED_MISSES = 4
 #: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
 NEGLIGIBLE = 0.001
 
+
+def negligibly_above(peak: int) -> int:
+    """The most bytes a peak may take and still count as ``peak``: within ``NEGLIGIBLE`` of it."""
+    return math.floor(peak * (1 + NEGLIGIBLE))
+
 #: Once every candidate measured so far replayed within this fraction of its measured peak, the search
 #: ranks by replay instead of measuring (each measurement is a fake step of a rewritten module): the
 #: smallest candidate is the least replayed one, a budget rules out candidates replayed this much above
@@ -486,7 +491,7 @@ class Search(Candidates):
                 if nested is None:
                     raise self.infeasible(budget_bytes, best.measured)
                 return self._confirmed(nested, budget_bytes, budget_bytes, strategy)
-            limit = best.measured if strategy == "memory" else math.floor(best.measured * (1 + NEGLIGIBLE))
+            limit = best.measured if strategy == "memory" else negligibly_above(best.measured)
             fits = [best, self._nested_fit(limit)] + ([] if strategy == "memory" else
                                                       [self.least_recompute(limit, near_smallest=True)])
             found = min((c for c in fits if c is not None), key=lambda c: (c.recompute, c.peak))

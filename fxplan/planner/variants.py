@@ -58,7 +58,7 @@ from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.planner.candidates import Candidate
 from fxplan.planner.plan_meter import MeasuredWork
-from fxplan.planner.search import NEGLIGIBLE, Search, StepFloor, replayed_within_trust
+from fxplan.planner.search import Search, StepFloor, negligibly_above, replayed_within_trust
 from fxplan.planner.splice import SpliceError, derived, spliced
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers.costgraph import CostGraph
@@ -253,7 +253,7 @@ class Searches:
         first = self._guarded(lambda: _attempt(other, None, strategy)) if other else None
         if not isinstance(first, Choice):
             return [_attempt(self.plain, None, strategy)]
-        bar = first.measured if strategy == "memory" else math.floor(first.measured * (1 + NEGLIGIBLE))
+        bar = first.measured if strategy == "memory" else negligibly_above(first.measured)
         if self._ruled_out(bar):
             return [first]
         return [_attempt(self.plain, None, strategy), first]
@@ -287,7 +287,7 @@ class Searches:
         if strategy == "memory":
             return min(fits, key=lambda c: (c.measured, c.cost))
         if budget_bytes is None:
-            limit = math.floor(min(c.measured for c in fits) * (1 + NEGLIGIBLE))
+            limit = negligibly_above(min(c.measured for c in fits))
             fits = [c for c in fits if c.measured <= limit]
         return min(fits, key=lambda c: c.cost)
 
