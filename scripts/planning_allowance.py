@@ -33,28 +33,17 @@ DEFAULT = ["resnet50:8", "densenet121:8", "vit_b_16:2", "gpt2_small:1", "hf:gpt2
            "hf:mixtral", "mamba"]
 
 
-def _mamba():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.MambaConfig(num_hidden_layers=2, hidden_size=64, vocab_size=1000, use_cache=False)
-    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(0))
-    return transformers.MambaForCausalLM(config), {"input_ids": ids, "labels": ids}, _hf_loss
-
-
-def _hf_loss(output):
-    return output.loss
-
-
 def build(spec: str):
     """(model, example inputs, loss_fn) of ``spec``."""
     if spec == "mamba":
-        return _mamba()
+        from planning_time import MODELS as TIMED
+
+        return TIMED["mamba"]()[:3]
     from heldout_exact import MODELS
 
     if spec in MODELS:
         model, inputs = MODELS[spec]()
-        return model, inputs, _hf_loss if isinstance(inputs, dict) else None
+        return model, inputs, (lambda output: output.loss) if isinstance(inputs, dict) else None
     import models_zoo
 
     name, _, batch = spec.partition(":")
