@@ -62,6 +62,20 @@ def test_device_speed_is_measured_once_per_machine(tmp_path, monkeypatch):
     assert device_speed("cpu") == planted
 
 
+def test_measuring_on_a_new_machine_leaves_the_random_generators_as_they_were(tmp_path, monkeypatch):
+    """The benchmark and the op timings of a first use (nothing cached) run on random tensors and random ops: the
+    user's next draws are the ones they would have been without fxplan."""
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(timecost, "_SPEEDS", {})
+    monkeypatch.setattr(timecost, "_MEASURED", {})
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    device_speed("cpu")
+    timecost.measure_seconds(nn.Dropout(0.5), (torch.empty(64, 64),), {}, torch.device("cpu"))
+    assert timecost._MEASURED and torch.equal(torch.rand(4), expected)
+
+
 def test_slow_op_kinds_are_priced_at_their_own_rate():
     """An op kind the benchmark found slow moves its bytes at its rate; the kinds the benchmark names are the
     ones a trace records (a BatchNorm in training apart from one in evaluation)."""

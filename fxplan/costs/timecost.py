@@ -29,6 +29,7 @@ far below any node's cost; :data:`T_SECONDS` converts.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -127,6 +128,17 @@ def _sync(device: torch.device) -> None:
 
 
 def _benchmark(device: torch.device) -> DeviceSpeed:
+    with _random_state_kept(device):
+        return _benchmarked(device)
+
+
+def _random_state_kept(device: torch.device) -> contextlib.AbstractContextManager:
+    """torch's generators left as they were by a measurement on random tensors: a first use on a new machine
+    (nothing cached yet) must not change the draws of the user's training."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def _benchmarked(device: torch.device) -> DeviceSpeed:
     cuda = device.type == "cuda"
     with torch.no_grad():
         flops = _matmul_flops_per_s(device, 4096 if cuda else 1024)
@@ -229,20 +241,25 @@ def measure_seconds(op: Callable[..., Any], fake_args: tuple, fake_kwargs: dict,
     if key not in _MEASURED:
         if isinstance(op, torch.nn.Module):
             op = copy.deepcopy(op).to(device)
-        args = tree_map(lambda x: real_like(x, device), fake_args)
-        kwargs = tree_map(lambda x: real_like(x, device), fake_kwargs)
-        samples = []
-        with torch.enable_grad():
-            for i in range(MEASURE_REPEATS + 1):
-                _sync(device)
-                start = time.perf_counter()
-                out = op(*args, **kwargs)
-                _sync(device)
-                if i:
-                    samples.append(time.perf_counter() - start)
-                del out
-        _MEASURED[key] = statistics.median(samples)
+        with _random_state_kept(device):
+            _MEASURED[key] = _median_seconds(op, fake_args, fake_kwargs, device)
     return _MEASURED[key]
+
+
+def _median_seconds(op: Callable[..., Any], fake_args: tuple, fake_kwargs: dict, device: torch.device) -> float:
+    args = tree_map(lambda x: real_like(x, device), fake_args)
+    kwargs = tree_map(lambda x: real_like(x, device), fake_kwargs)
+    samples = []
+    with torch.enable_grad():
+        for i in range(MEASURE_REPEATS + 1):
+            _sync(device)
+            start = time.perf_counter()
+            out = op(*args, **kwargs)
+            _sync(device)
+            if i:
+                samples.append(time.perf_counter() - start)
+            del out
+    return statistics.median(samples)
 
 
 __all__ = ["DeviceSpeed", "MEASURE_REPEATS", "SLOW_OP_PROBES", "TIME_MODELS", "T_SECONDS", "device_speed",
