@@ -27,7 +27,7 @@ from fxplan.apply.applied import AppliedPlan, PartialPlan, input_shapes
 from fxplan.apply.eligible import module_tree, regionable_modules, repeated_blocks
 from fxplan.apply.offloaded import OffloadedStep, RegionOffloads, call_nodes, without_offloads
 from fxplan.apply.op_map import node_ops
-from fxplan.apply.partial import apply_in_parts, data_dependent_cause, plan_in_parts
+from fxplan.apply.partial import apply_in_parts, checkpointed_in_parts, data_dependent_cause
 from fxplan.apply.regions import MAPPINGS, RegionPlan, regions_for, worth_saving
 from fxplan.capture.capturers import ExampleCall, as_call
 from fxplan.capture.fakes import DATA_DEPENDENT, caches_kept_real, has_fake, refusing_data_dependent
@@ -143,7 +143,7 @@ def auto_checkpoint(
             if data_dependent_cause(exc, model) is None or meter.differs or offload \
                     or has_fake(model, (call.args, call.kwargs)):
                 raise
-            applied = plan_in_parts(model, call, budget, exc, functools.partial(
+            applied = checkpointed_in_parts(model, call, budget, exc, functools.partial(
                 _plan_part, strategy=strategy, solver=solver), loss_fn)
     _KEPT[key] = applied
     runtime.install(model, applied.regions)

@@ -4,10 +4,12 @@ A model's forward can stop a fake step, and with it the capture, at data-depende
 draws the size of its images with ``.item()`` in training, a Hugging Face speech encoder decides its LayerDrop with
 ``if not skip_the_layer``. Most of its memory is often in submodules that are plain graphs all the same (a
 detector's backbone and FPN, each encoder layer). :func:`plan_in_parts` finds the largest of them, from the top of
-the model's module tree down, plans each as ``fxplan.auto_checkpoint`` plans a whole model (checkpointed regions on
-its own modules, found with its own fake step), and leaves the rest to run eagerly, exactly as the model's code runs
-it: only the parts' regions are checkpointed, so the model's own Python, its data-dependent choices and its random
-draws included, runs once per step as written.
+the model's module tree down, plans each as a whole model is planned, with its own fake step, and leaves the rest
+to run eagerly, exactly as the model's code runs it. Two routes put the parts' plans in place (:class:`PartRoute`):
+``fxplan.auto_checkpoint``'s checkpointed regions on the parts' own modules (:class:`CheckpointedParts`), and
+``fxplan.rewrite``'s rewritten modules in place of the parts, in a copy of the model's module tree
+(:mod:`fxplan.apply.rewritten_parts`). Either way only the parts change, so the model's own Python, its
+data-dependent choices and its random draws included, runs once per step as written.
 
 What a part is: a module with submodules, called once in the step with plain values (tensors, numbers, strings, None
 and containers of them), that writes into none of its arguments in place and does not draw from Python's or numpy's
@@ -15,7 +17,9 @@ random generators (recomputation would draw again), and whose own step captures.
 left eager and its children are tried. The calls are recorded in one real forward of a copy of the model (the calls'
 arguments copied, the random state left as it was). A module the recorded step did not call (a layer LayerDrop
 dropped) is planned on the call of a sibling of the same structure where one was called. Parts of one structure and
-call shapes (a model's repeated layers) share one plan.
+call shapes (a model's repeated layers) share one plan; on the checkpointed route, repeated layers that follow one
+another are planned as one chain (:class:`_Chain`), since what checkpointing a layer saves is what it holds while
+the later layers run.
 
 The budget is of the whole step. A fake step of the whole model stops where its capture did, so the whole step is
 measured on real steps of a copy (:data:`STEPS_MEASURED` of them in sequence, from the random state at planning time,
@@ -35,7 +39,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -64,6 +68,61 @@ MAX_TRIES = 3
 PlanPart = Callable[[torch.nn.Module, ExampleCall, "int | None"], AppliedPlan]
 
 
+class PartRoute(Protocol):
+    """How the parts of a model are planned and put in place. A part's plan has ``measured_peak_bytes`` and
+    ``vanilla_peak_bytes`` (its own step's, with and without it, on fake tensors)."""
+
+    name: str  # the entry point, for messages
+    chains: bool  # whether repeated layers that follow one another are planned as one chain
+
+    def plan(self, module: torch.nn.Module, call: ExampleCall, budget: int | None) -> Any:
+        """The part's plan for ``budget`` bytes of its own step (None: its smallest); raises where it does not
+        capture, :class:`BudgetError` where nothing fits."""
+
+    def lowers(self, plan: Any) -> bool:
+        """Whether ``plan`` changes anything in its part's step."""
+
+    def installed(self, model: torch.nn.Module, placed: list[tuple[_Group, Any]]
+                  ) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """A block inside which the module returned runs ``model`` with each group's plan on its parts."""
+
+    def planned_part(self, group: _Group, plan: Any, path: str) -> Part | None:
+        """The :class:`Part` of ``path`` planned with ``plan``, or None where ``plan`` leaves that part as it is."""
+
+
+@dataclass
+class CheckpointedParts:
+    """``fxplan.auto_checkpoint``'s route: each part's plan is checkpointed regions on its own modules, installed on
+    the model itself."""
+
+    plan_part: PlanPart
+    name: str = "fxplan.auto_checkpoint"
+    chains: bool = True
+
+    def plan(self, module: torch.nn.Module, call: ExampleCall, budget: int | None) -> AppliedPlan:
+        return self.plan_part(module, call, budget)
+
+    def lowers(self, plan: AppliedPlan) -> bool:
+        return bool(plan.regions)
+
+    @contextlib.contextmanager
+    def installed(self, model: torch.nn.Module, placed: list[tuple[_Group, AppliedPlan]]) -> Iterator[torch.nn.Module]:
+        with runtime.installed(model, regions_placed(placed)):
+            yield model
+
+    def planned_part(self, group: _Group, plan: AppliedPlan, path: str) -> Part | None:
+        regions = sum(r.path == path or r.path.startswith(path + ".") for r in group.place(plan))
+        if not regions:
+            return None
+        return Part(path, group.part_class, True, group.notes.get(path, ""), regions, plan.measured_peak_bytes,
+                    plan.vanilla_peak_bytes)
+
+
+def regions_placed(placed: list[tuple[_Group, AppliedPlan]]) -> list[RegionPlan]:
+    """The regions of each group's plan, on its parts' paths in the model."""
+    return [r for g, plan in placed for r in g.place(plan)]
+
+
 def data_dependent_cause(exc: BaseException, model: torch.nn.Module | None = None) -> BaseException | None:
     """The data-dependent op ``exc`` was raised from (fake tensors' exceptions, or a guard on a data-dependent
     symbolic value), following its causes; None where it was raised for another reason, or, given ``model``, where
@@ -90,33 +149,45 @@ def _in_forward(exc: BaseException, model: torch.nn.Module) -> bool:
     return False
 
 
+@dataclass
+class PartsChosen:
+    """What planning in parts chose: every part (:class:`Part`, the model first), the plan of each group of planned
+    parts, and the whole step's peaks, measured as ``meter`` says."""
+
+    parts: list[Part]
+    placed: list[tuple[_Group, Any]]
+    peak_bytes: int
+    vanilla_peak_bytes: int
+    meter: str
+
+
 def plan_in_parts(model: torch.nn.Module, call: ExampleCall, budget: int | None, failure: BaseException,
-                  plan_part: PlanPart, loss_fn: Callable[[Any], torch.Tensor] | None) -> PartialPlan:
+                  route: PartRoute, loss_fn: Callable[[Any], torch.Tensor] | None) -> PartsChosen:
     """The plan of ``model`` in parts for ``budget`` bytes of the whole step (None: the smallest peak), where its
-    whole capture failed with ``failure`` (module docstring). Raises :class:`BudgetError` naming the smallest peak
-    measured where no share of the budget fits."""
+    whole capture failed with ``failure`` (module docstring), planned and placed by ``route``. Raises
+    :class:`BudgetError` naming the smallest peak measured where no share of the budget fits."""
     t0 = time.perf_counter()
     cause = data_dependent_cause(failure) or failure
     root = Part("", type(model).__name__, False, f"data-dependent code{user_frame(cause, model)}")
     logger.info("fxplan: %s does not capture as a whole (%s); planning its submodules that do",
                 type(model).__name__, root.reason)
-    parts, groups = _find_parts(model, _record_calls(model, call), plan_part)
+    parts, groups = _find_parts(model, _record_calls(model, call), route)
     parts.insert(0, root)
     meter = (f"the largest of {STEPS_MEASURED} real steps on the {device_of(model, (call.args, call.kwargs)).type} "
              "from the random state at planning time")
-    vanilla = _whole_peak(model, call, [], loss_fn)
+    vanilla = _whole_peak(model, call, route, [], loss_fn)
     chosen = {g.key: g.smallest for g in groups}
-    peak = _whole_peak(model, call, _regions(groups, chosen), loss_fn) if groups else vanilla
+    peak = _whole_peak(model, call, route, _placed(groups, chosen), loss_fn) if groups else vanilla
     smallest = peak
     if budget is not None and budget >= vanilla:
         chosen, peak = {}, vanilla
     elif budget is not None and peak <= budget:
         excess = vanilla - budget
         for _ in range(MAX_TRIES):
-            shared = _shared(groups, excess, plan_part)
+            shared = _shared(groups, excess, route)
             if all(shared[g.key] is g.smallest for g in groups):
                 break  # the shares are every part's smallest plan: measured already
-            tried = _whole_peak(model, call, _regions(groups, shared), loss_fn)
+            tried = _whole_peak(model, call, route, _placed(groups, shared), loss_fn)
             logger.info("fxplan: parts planned for %s less: whole step %s", format_bytes(excess), format_bytes(tried))
             if tried <= budget:
                 chosen, peak = shared, tried
@@ -126,16 +197,24 @@ def plan_in_parts(model: torch.nn.Module, call: ExampleCall, budget: int | None,
         chosen, peak = {}, vanilla
     if budget is not None and peak > budget:
         raise BudgetError(
-            f"fxplan.auto_checkpoint: {type(model).__name__} planned in parts ({format_count(len(groups), 'kind')} of "
+            f"{route.name}: {type(model).__name__} planned in parts ({format_count(len(groups), 'kind')} of "
             f"part) does not fit {format_bytes(budget)} per step; the smallest measured is {format_bytes(smallest)} "
             f"({smallest} bytes, {meter})", smallest, advice=f"budget_bytes={smallest} is accepted.")
-    regions = _regions(groups, chosen)
-    parts += _parts_planned(groups, chosen)
-    logger.info("fxplan: applied %s in parts of %s: measured peak %s (unplanned %s), planned in %.1f s",
-                format_count(len(regions), "checkpointed module"), type(model).__name__, format_bytes(peak),
+    placed = _placed(groups, chosen)
+    parts += _parts_planned(groups, chosen, route)
+    logger.info("fxplan: planned %s of %s: measured peak %s (unplanned %s), planned in %.1f s",
+                format_count(sum(p.planned for p in parts), "part"), type(model).__name__, format_bytes(peak),
                 format_bytes(vanilla), time.perf_counter() - t0)
-    return PartialPlan(type(model).__qualname__, input_shapes(call), regions, peak, vanilla, budget,
-                       parts=parts, meter=meter)
+    return PartsChosen(parts, placed, peak, vanilla, meter)
+
+
+def checkpointed_in_parts(model: torch.nn.Module, call: ExampleCall, budget: int | None, failure: BaseException,
+                          plan_part: PlanPart, loss_fn: Callable[[Any], torch.Tensor] | None) -> PartialPlan:
+    """``fxplan.auto_checkpoint``'s plan of ``model`` in parts (:func:`plan_in_parts` on :class:`CheckpointedParts`):
+    the regions to install on the model."""
+    chosen = plan_in_parts(model, call, budget, failure, CheckpointedParts(plan_part), loss_fn)
+    return PartialPlan(type(model).__qualname__, input_shapes(call), regions_placed(chosen.placed), chosen.peak_bytes,
+                       chosen.vanilla_peak_bytes, budget, parts=chosen.parts, meter=chosen.meter)
 
 
 def apply_in_parts(model: torch.nn.Module, plan: PartialPlan, call: ExampleCall,
@@ -144,7 +223,7 @@ def apply_in_parts(model: torch.nn.Module, plan: PartialPlan, call: ExampleCall,
     if plan.model_class != type(model).__qualname__:
         raise FxplanError(f"this plan was made for {plan.model_class}, not {type(model).__qualname__}; plan this "
                           "model with fxplan.auto_checkpoint(model, ..., example_inputs=...)")
-    peak = _whole_peak(model, call, plan.regions, loss_fn)
+    peak = _whole_peak_of(model, call, loss_fn, runtime.installed(model, plan.regions))
     return replace(plan, input_shapes=input_shapes(call), measured_peak_bytes=peak)
 
 
@@ -231,9 +310,13 @@ class _Group:
     paths: list[str]
     module: torch.nn.Module
     call: ExampleCall
-    smallest: AppliedPlan
+    smallest: Any  # the route's plan
     notes: dict[str, str]  # path -> how it came to be planned with the group's plan
     chained: bool = False
+
+    @property
+    def part_class(self) -> str:
+        return type(self.module.layers[0] if self.chained else self.module).__name__
 
     def place(self, plan: AppliedPlan) -> list[RegionPlan]:
         """``plan``'s regions on the parts' paths in the model."""
@@ -265,7 +348,7 @@ class _Chain(torch.nn.Module):
 
 
 def _find_parts(model: torch.nn.Module, records: dict[str, _Recorded],
-                plan_part: PlanPart) -> tuple[list[Part], list[_Group]]:
+                route: PartRoute) -> tuple[list[Part], list[_Group]]:
     """The parts of ``model`` (module docstring): the modules left eager, with why, and the groups of planned parts."""
     modules = dict(model.named_modules())
     parts: list[Part] = []
@@ -315,17 +398,17 @@ def _find_parts(model: torch.nn.Module, records: dict[str, _Recorded],
                     group.notes[path] = note or f"the plan of {group.paths[0]} (same structure and shapes)"
                 return
             if key not in failures:
-                run = chain_from(path, parent, key)
+                run = chain_from(path, parent, key) if route.chains else [path]
                 if len(run) > 1:
                     chain = _Chain([modules[p] for p in run], record.call)
                     call = ExampleCall(record.call.args[:1], {})
-                    outcome = _tried(chain, call, plan_part)
-                    if isinstance(outcome, AppliedPlan):
+                    outcome = _tried(chain, call, route)
+                    if not isinstance(outcome, str):
                         notes = {p: f"planned with {run[0]} to {run[-1]} as one chain of layers" for p in run}
                         groups[key] = _Group(key, run, chain, call, outcome, notes, chained=True)
                         return
-                outcome = _tried(module, record.call, plan_part)
-                if isinstance(outcome, AppliedPlan):
+                outcome = _tried(module, record.call, route)
+                if not isinstance(outcome, str):
                     groups[key] = _Group(key, [path], module, record.call, outcome, {path: note})
                     return
                 failures[key] = outcome
@@ -370,22 +453,22 @@ def _not_a_part(module: torch.nn.Module, record: _Recorded | None) -> str | None
     return None
 
 
-def _tried(module: torch.nn.Module, call: ExampleCall, plan_part: PlanPart) -> AppliedPlan | str:
+def _tried(module: torch.nn.Module, call: ExampleCall, route: PartRoute) -> Any:
     """The smallest plan of ``module`` on its own, or why it has none: the data-dependent code it stops at, the
     error its capture raised, or that no plan of its modules lowers its step."""
     try:
-        plan = plan_part(module, call, None)
+        plan = route.plan(module, call, None)
     except (FxplanError, RuntimeError, *DATA_DEPENDENT, GuardOnDataDependentSymNode) as exc:
         cause = data_dependent_cause(exc)
         if cause is not None:
             return f"data-dependent code{user_frame(cause, module)}"
         return f"does not capture ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
-    if not plan.regions:
-        return "captures, but no plan of its modules lowers its own step's peak"
+    if not route.lowers(plan):
+        return "captures, but no plan of it lowers its own step's peak"
     return plan
 
 
-def _shared(groups: list[_Group], excess: int, plan_part: PlanPart) -> dict[tuple, AppliedPlan]:
+def _shared(groups: list[_Group], excess: int, route: PartRoute) -> dict[tuple, Any]:
     """Each group's plan for its share of ``excess`` bytes to save (module docstring)."""
     can = {g.key: max(0, g.smallest.vanilla_peak_bytes - g.smallest.measured_peak_bytes) for g in groups}
     total = sum(can[g.key] * (1 if g.chained else len(g.paths)) for g in groups)
@@ -396,47 +479,47 @@ def _shared(groups: list[_Group], excess: int, plan_part: PlanPart) -> dict[tupl
             shared[g.key] = g.smallest
             continue
         try:
-            shared[g.key] = plan_part(g.module, g.call, int(g.smallest.vanilla_peak_bytes - share))
+            shared[g.key] = route.plan(g.module, g.call, int(g.smallest.vanilla_peak_bytes - share))
         except BudgetError:
             shared[g.key] = g.smallest
     return shared
 
 
-def _regions(groups: list[_Group], chosen: dict[tuple, AppliedPlan]) -> list[RegionPlan]:
-    """The regions of the plans ``chosen`` for the groups, on each part's path in the model."""
-    return [r for g in groups if g.key in chosen for r in g.place(chosen[g.key])]
+def _placed(groups: list[_Group], chosen: dict[tuple, Any]) -> list[tuple[_Group, Any]]:
+    """The groups that have a plan in ``chosen``, each with it."""
+    return [(g, chosen[g.key]) for g in groups if g.key in chosen]
 
 
-def _parts_planned(groups: list[_Group], chosen: dict[tuple, AppliedPlan]) -> list[Part]:
+def _parts_planned(groups: list[_Group], chosen: dict[tuple, Any], route: PartRoute) -> list[Part]:
     """A :class:`Part` for each part of the groups, with the plan chosen for it (its own step's peaks: of the chain
     for chained layers)."""
     out = []
     for g in groups:
         plan = chosen.get(g.key)
-        name = type(g.module.layers[0] if g.chained else g.module).__name__
-        placed = g.place(plan) if plan is not None else []
         for path in g.paths:
-            regions = sum(r.path == path or r.path.startswith(path + ".") for r in placed)
-            if not regions:
-                out.append(Part(path, name, False, "captures; left unplanned, the budget holds without it"))
-            else:
-                out.append(Part(path, name, True, g.notes.get(path, ""), regions, plan.measured_peak_bytes,
-                                plan.vanilla_peak_bytes))
+            part = route.planned_part(g, plan, path) if plan is not None else None
+            out.append(part or Part(path, g.part_class, False, "captures; left unplanned, the budget holds without it"))
     return out
 
 
-def _whole_peak(model: torch.nn.Module, call: ExampleCall, regions: list[RegionPlan],
+def _whole_peak(model: torch.nn.Module, call: ExampleCall, route: PartRoute, placed: list[tuple[_Group, Any]],
                 loss_fn: Callable[[Any], torch.Tensor] | None) -> int:
-    """The largest peak of :data:`STEPS_MEASURED` real steps of copies of ``model`` with ``regions`` on, in sequence
-    from the random state at planning time, which is left as it was."""
+    """The largest peak of :data:`STEPS_MEASURED` real steps of ``model`` with ``placed`` on (``route``)."""
+    return _whole_peak_of(model, call, loss_fn, route.installed(model, placed))
+
+
+def _whole_peak_of(model: torch.nn.Module, call: ExampleCall, loss_fn: Callable[[Any], torch.Tensor] | None,
+                   installed: contextlib.AbstractContextManager[Any]) -> int:
+    """The largest peak of :data:`STEPS_MEASURED` real steps of copies of the module ``installed`` gives (None:
+    ``model``), in sequence from the random state at planning time, which is left as it was."""
     try:
-        with runtime.installed(model, regions), _random_state_kept(model, call):
-            return max(measure_step(model, call, fake=False, loss_fn=loss_fn).peak_bytes
+        with installed as module, _random_state_kept(model, call):
+            module = model if module is None else module
+            return max(measure_step(module, call, fake=False, loss_fn=loss_fn).peak_bytes
                        for _ in range(STEPS_MEASURED))
     except RuntimeError as error:
-        raise FxplanError(f"{type(model).__name__} with {format_count(len(regions), 'checkpointed module')} in its "
-                          f"parts does not train ({str(error).splitlines()[0][:200]}); the plan in parts is not "
-                          "applied") from error
+        raise FxplanError(f"{type(model).__name__} with its parts planned does not "
+                          f"train ({str(error).splitlines()[0][:200]}); the plan in parts is not applied") from error
 
 
 @contextlib.contextmanager
