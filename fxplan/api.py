@@ -10,6 +10,7 @@ the same on the first call when no example inputs were given.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import logging
 import time
@@ -20,9 +21,12 @@ from typing import Any
 
 import torch
 
+from fxplan.apply import rewritten_parts
+from fxplan.apply.applied import PartialPlan
+from fxplan.apply.partial import data_dependent_cause
 from fxplan.capture import effects
-from fxplan.capture.capturers import CallInterface, Captured, ExampleCall, capture, symbolic_trace_module
-from fxplan.capture.fakes import caches_kept_real, refusing_data_dependent
+from fxplan.capture.capturers import CallInterface, Captured, ExampleCall, as_call, capture, symbolic_trace_module
+from fxplan.capture.fakes import DATA_DEPENDENT, caches_kept_real, has_fake, refusing_data_dependent
 from fxplan.capture.regions import with_regions
 from fxplan.common import collector, heartbeat
 from fxplan.common.console import format_bytes, format_count
@@ -49,7 +53,7 @@ def rewrite(
     example_inputs: Sequence[Any] | None = None,
     strategy: str = "time",
     solver: str = "approx",
-    plan: Plan | None = None,
+    plan: Plan | PartialPlan | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     budget_bytes: int | None = None,
     offload: bool = False,
@@ -73,22 +77,22 @@ def rewrite(
     carries ``fxplan_plan`` (replayed and measured peak, recompute fraction, segments) and
     ``fxplan_measured_peak_bytes``. Raises :class:`BudgetError` whose ``min_feasible_bytes`` is the
     smallest measured peak fxplan reaches with ``solver``; that many bytes, as a budget, succeed.
+
+    A model whose step does not capture as a whole, for data-dependent Python in its forward, is rewritten in parts
+    (:mod:`fxplan.apply.rewritten_parts`): the result is then of the model's own class, with its submodules that
+    capture rewritten and the rest running as the model's code runs it, and ``fxplan_plan`` is a
+    :class:`~fxplan.apply.applied.PartialPlan` naming both, with the whole step's peak measured on real steps.
     """
     if not isinstance(model, torch.nn.Module):
         raise FxplanError(f"fxplan.rewrite needs an nn.Module, got {type(model).__name__}")
     model = original_model(model)
+    if isinstance(plan, PartialPlan):
+        if example_inputs is None:
+            raise FxplanError("a plan in parts is applied to the parts a step calls: give example_inputs")
+        return rewritten_parts.apply_in_parts(model, plan, as_call(example_inputs),
+                                              functools.partial(_rewritten_with, measure=False), loss_fn)
     if plan is not None:
-        captured = _captured_for(model, example_inputs)
-        gm = with_regions(captured, plan.regions).gm if plan.regions else captured.gm
-        _check_fits(gm, plan, type(model).__name__)
-        module = segment_module(gm, plan.segments, plan.children, plan.offloaded)
-        measured, host = None, plan.host_peak_bytes
-        if example_inputs is not None:
-            stats = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn)
-            measured, host = stats.peak_bytes, stats.host_peak_bytes if plan.offloaded else None
-        module.fxplan_plan = replace(plan, measured_peak_bytes=measured, host_peak_bytes=host)
-        module.fxplan_measured_peak_bytes = measured
-        return module
+        return _rewritten_with(model, plan, example_inputs, loss_fn=loss_fn)
     budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
     host = host_limit(offload, host_bytes)
@@ -111,7 +115,7 @@ def plan(
     budget_bytes: int | None = None,
     offload: bool = False,
     host_bytes: int | None = None,
-) -> Plan:
+) -> Plan | PartialPlan:
     """The plan ``fxplan.rewrite`` would run for this budget: the same search, the same answer.
 
     ``strategy``: ``"time"`` (least recomputation within the budget) or ``"memory"`` (lowest peak,
@@ -119,7 +123,8 @@ def plan(
     lower sets) or ``"chen"`` (Chen et al.'s Algorithm 3). The plan's ``predicted_peak_bytes`` is the
     replayed whole-step peak and ``measured_peak_bytes`` the measured one (fake tensors: nothing is
     allocated). Raises :class:`BudgetError` with ``min_feasible_bytes`` (measured bytes) if nothing fits.
-    ``offload`` and ``host_bytes`` as for :func:`rewrite`.
+    ``offload`` and ``host_bytes`` as for :func:`rewrite`. For a model that ``rewrite`` rewrites in parts, the
+    :class:`~fxplan.apply.applied.PartialPlan` it applies.
     """
     budget = whole_step_budget(budget_gb, budget_bytes)
     check_choices(strategy, solver)
@@ -132,14 +137,31 @@ def original_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model a module that fxplan made stands for (a rewritten module, a :class:`LazyRewrite`), else
     ``model``: planning or rewriting a rewritten module plans the model it was made from (its graph holds
     segments, not the model's nodes, which no plan names). Same modules, parameters and train/eval mode."""
-    if not isinstance(model, (SegmentedModule, LazyRewrite)):
-        return model
     original = model.__dict__.get("_fxplan_original")
+    if original is None and not isinstance(model, (SegmentedModule, LazyRewrite)):
+        return model
     if original is None:
         raise FxplanError(f"{type(model).__name__} is a module fxplan rewrote from a torch.fx graph, not from a "
                           "model: plan or rewrite the graph module it was made from")
     original.training = model.training
     return original
+
+
+def _rewritten_with(model: torch.nn.Module, plan: Plan, example_inputs: Sequence[Any] | None, *,
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None, measure: bool = True) -> SegmentedModule:
+    """``model`` rewritten with ``plan``, made before; its peak measured on fake tensors where ``example_inputs``
+    are given and ``measure``."""
+    captured = _captured_for(model, example_inputs)
+    gm = with_regions(captured, plan.regions).gm if plan.regions else captured.gm
+    _check_fits(gm, plan, type(model).__name__)
+    module = segment_module(gm, plan.segments, plan.children, plan.offloaded)
+    measured, host = None, plan.host_peak_bytes
+    if example_inputs is not None and measure:
+        stats = measure_step(module, example_inputs, fake=True, loss_fn=loss_fn)
+        measured, host = stats.peak_bytes, stats.host_peak_bytes if plan.offloaded else None
+    module.fxplan_plan = replace(plan, measured_peak_bytes=measured, host_peak_bytes=host)
+    module.fxplan_measured_peak_bytes = measured
+    return module
 
 
 def _check_fits(gm: torch.fx.GraphModule, plan: Plan, model_name: str) -> None:
@@ -205,16 +227,32 @@ def fit_budget(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     offload: bool = False,
     host_limit: int | None = None,
-) -> SegmentedModule:
+    in_parts: bool = True,
+) -> torch.nn.Module:
     """Trace, search (:mod:`fxplan.planner.search`; with ``offload``, :mod:`fxplan.planner.offloading`) and return
-    the chosen plan's module for ``budget_bytes``.
+    the chosen plan's module for ``budget_bytes``; where the model does not capture as a whole for data-dependent
+    Python and ``in_parts``, the model rewritten in parts (:mod:`fxplan.apply.rewritten_parts`).
 
     Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
     then the plan chosen, with seconds and fake-tensor steps, and every ``HEARTBEAT_S`` seconds in between the
     stage it is in (:mod:`fxplan.common.heartbeat`)."""
     with heartbeat.beating(f"planning {type(model).__name__}"):
-        return _fit(model, example_inputs, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn,
-                    offload=offload, host_limit=host_limit)
+        try:
+            return _fit(model, example_inputs, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn,
+                        offload=offload, host_limit=host_limit)
+        except (FxplanError, *DATA_DEPENDENT) as exc:  # data-dependent Python: rewritten in the parts that capture
+            if not in_parts or data_dependent_cause(exc, model) is None or offload or has_fake(model, example_inputs):
+                raise
+            fit = functools.partial(_fit_part, strategy=strategy, solver=solver)
+            apply = functools.partial(_rewritten_with, measure=False)
+            return rewritten_parts.rewrite_in_parts(model, as_call(example_inputs), budget_bytes, exc, fit, apply,
+                                                    loss_fn)
+
+
+def _fit_part(module: torch.nn.Module, call: ExampleCall, budget_bytes: int | None, *, strategy: str,
+              solver: str) -> SegmentedModule:
+    """One part of a model rewritten in parts (:mod:`fxplan.apply.rewritten_parts`), as a whole model is."""
+    return fit_budget(module, call, budget_bytes, strategy=strategy, solver=solver, in_parts=False)
 
 
 def _fit(model: torch.nn.Module, example_inputs: tuple[Any, ...], budget_bytes: int | None, *, strategy: str,

@@ -26,12 +26,12 @@ def _seeded(seed: int) -> None:
     random.seed(seed)
 
 
-def _step(model: nn.Module, inputs, loss_fn, seed: int, optimizer: torch.optim.Optimizer):
+def _step(model: nn.Module, inputs, loss_fn, seed: int, optimizer: torch.optim.Optimizer, inside: tuple[str, ...]):
     """One training step from the random state ``seed``: the loss, the gradients, and the modules its forward called
-    (recomputation in backward calls checkpointed modules again)."""
+    (recomputation in backward calls checkpointed modules again), but for those inside the parts at ``inside``."""
     called = []
     handles = [m.register_forward_pre_hook(lambda _m, _a, name=name: called.append(name))
-               for name, m in model.named_modules() if name]
+               for name, m in model.named_modules() if name and not name.startswith(tuple(p + "." for p in inside))]
     _seeded(seed)
     try:
         out = model(*inputs) if isinstance(inputs, tuple) else model(**inputs)
@@ -46,18 +46,21 @@ def _step(model: nn.Module, inputs, loss_fn, seed: int, optimizer: torch.optim.O
     return loss.detach(), grads, called
 
 
-def _assert_trains_as_the_original(planned: nn.Module, original: nn.Module, inputs, loss_fn) -> list[list[str]]:
-    """Two SGD steps of both, seeded alike: losses, gradients, modules called and state bitwise equal."""
+def _assert_trains_as_the_original(planned: nn.Module, original: nn.Module, inputs, loss_fn,
+                                   rewritten: tuple[str, ...] = ()) -> list[list[str]]:
+    """Two SGD steps of both, seeded alike: losses, gradients, modules called (but inside the ``rewritten`` parts,
+    whose generated code calls no submodule) and state bitwise equal."""
     opt_a = torch.optim.SGD(planned.parameters(), lr=0.01)
     opt_b = torch.optim.SGD(original.parameters(), lr=0.01)
     calls = []
     for seed in (11, 12):
-        loss, grads, called = _step(planned, inputs, loss_fn, seed, opt_a)
-        ref_loss, ref_grads, ref_called = _step(original, inputs, loss_fn, seed, opt_b)
+        loss, grads, called = _step(planned, inputs, loss_fn, seed, opt_a, rewritten)
+        ref_loss, ref_grads, ref_called = _step(original, inputs, loss_fn, seed, opt_b, rewritten)
         assert torch.equal(loss, ref_loss)
         assert len(grads) == len(ref_grads) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
         assert called == ref_called
         calls.append(called)
+    assert list(planned.state_dict()) == list(original.state_dict())
     for (name, a), (_, b) in zip(planned.state_dict().items(), original.state_dict().items()):
         assert torch.equal(a, b), name
     return calls
@@ -109,15 +112,15 @@ def test_a_detector_is_planned_in_parts_within_the_budget_and_trains_exactly():
     _assert_trains_as_the_original(model, original, inputs, _detection_loss)
 
 
-def _speech_encoder() -> tuple[nn.Module, dict]:
+def _speech_encoder(layers: int = 4, layerdrop: float = 0.5, samples: int = 4000) -> tuple[nn.Module, dict]:
     transformers = pytest.importorskip("transformers")
     config = transformers.Wav2Vec2Config(
-        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
-        conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2, layerdrop=0.5,
+        hidden_size=32, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2, layerdrop=layerdrop,
         num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)  # SpecAugment on: numpy draws its masks
     torch.manual_seed(0)
     model = transformers.Wav2Vec2Model(config).train()
-    return model, {"input_values": torch.randn(2, 4000, generator=torch.Generator().manual_seed(2))}
+    return model, {"input_values": torch.randn(2, samples, generator=torch.Generator().manual_seed(2))}
 
 
 def _speech_loss(out):
@@ -144,6 +147,52 @@ def test_a_speech_encoder_with_layerdrop_is_planned_in_parts_and_drops_the_same_
     calls = _assert_trains_as_the_original(model, original, inputs, _speech_loss)
     layers = [{n for n in called if n.count(".") == 2 and n.startswith("encoder.layers.")} for called in calls]
     assert any(len(ran) < 4 for ran in layers)  # LayerDrop dropped layers, the same as the original's
+
+
+def test_a_detector_is_rewritten_in_parts_within_the_budget_and_trains_exactly():
+    """fxplan.rewrite of Faster R-CNN in training: the model's own class comes back, its backbone rewritten and
+    checkpointed whole, the rest shared with the user's model, which is left as it was; the whole step's real peak
+    is within the budget, the plan goes through JSON to a fresh model with the same peak, and two steps are
+    bitwise the original's."""
+    model, inputs = _detector(), _detection_batch()
+    original = copy.deepcopy(model)
+    with torch.random.fork_rng(devices=[]):
+        unplanned = fxplan.measure_step(model, inputs, loss_fn=_detection_loss).peak_bytes
+    budget = unplanned - 8 * MiB
+    state = torch.random.get_rng_state()
+    rewritten = fxplan.rewrite(model, budget_bytes=budget, example_inputs=inputs, loss_fn=_detection_loss)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert type(rewritten) is type(model) and rewritten.backbone is not model.backbone
+    assert rewritten.transform is model.transform and rewritten.rpn.anchor_generator is model.rpn.anchor_generator
+    assert not any(isinstance(m, torch.fx.GraphModule) for m in model.modules())  # the user's model as it was
+    plan = rewritten.fxplan_plan
+    assert isinstance(plan, fxplan.AppliedPlan) and "backbone" in plan.rewritten and not plan.regions
+    assert plan.measured_peak_bytes <= budget < plan.vanilla_peak_bytes
+    with torch.random.fork_rng(devices=[]):
+        real = fxplan.measure_step(rewritten, inputs, loss_fn=_detection_loss).peak_bytes
+    assert real == plan.measured_peak_bytes and real <= budget < unplanned
+    summary = plan.summary()
+    assert "planned: backbone (BackboneWithFPN): checkpointed whole, rewritten in" in summary
+    assert "roi_heads (RoIHeads): runs eagerly: data-dependent code" in summary and "roi_heads.py:" in summary
+    again = fxplan.AppliedPlan.from_json(plan.to_json())
+    reapplied = fxplan.rewrite(_detector(), plan=again, example_inputs=inputs, loss_fn=_detection_loss)
+    assert reapplied.fxplan_plan.measured_peak_bytes == plan.measured_peak_bytes
+    _assert_trains_as_the_original(rewritten, original, inputs, _detection_loss, tuple(plan.rewritten))
+
+
+def test_a_speech_encoder_with_layerdrop_is_rewritten_in_parts_and_drops_the_same_layers():
+    """fxplan.rewrite of Wav2Vec2 with LayerDrop: each encoder layer is rewritten and checkpointed whole, so the
+    forward keeps only the layers' inputs; the same layers are dropped as by the original, bitwise."""
+    model, inputs = _speech_encoder(layers=6, layerdrop=0.2, samples=2000)
+    original = copy.deepcopy(model)
+    _seeded(5)
+    rewritten = fxplan.rewrite(model, example_inputs=inputs, loss_fn=_speech_loss)
+    plan = rewritten.fxplan_plan
+    assert {f"encoder.layers.{i}" for i in range(6)} <= set(plan.rewritten)
+    assert plan.measured_peak_bytes < 0.5 * plan.vanilla_peak_bytes
+    assert "encoder (Wav2Vec2Encoder): runs eagerly: data-dependent code" in plan.summary()
+    calls = _assert_trains_as_the_original(rewritten, original, inputs, _speech_loss, tuple(plan.rewritten))
+    assert any(len({n for n in called if n.startswith("encoder.layers.")}) < 6 for called in calls)
 
 
 class _NumpyMask(nn.Module):

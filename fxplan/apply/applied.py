@@ -107,9 +107,10 @@ class Part:
     module_class: str
     planned: bool
     reason: str = ""
-    regions: int = 0  # its checkpointed modules
+    regions: int = 0  # its checkpointed modules (auto_checkpoint)
     peak_bytes: int | None = None  # of its own step with its plan, fake tensors (None where not measured)
     unplanned_peak_bytes: int | None = None  # of its own step without
+    segments: int = 0  # of its rewritten module (fxplan.rewrite), 0 where it is not rewritten
 
     def describe(self) -> str:
         name = f"{self.path or '(the model)'} ({self.module_class})"
@@ -119,17 +120,21 @@ class Part:
         if self.peak_bytes is not None and self.unplanned_peak_bytes is not None:
             own = (f"; its own step {format_bytes(self.unplanned_peak_bytes)} -> {format_bytes(self.peak_bytes)} "
                    "(fake tensors)")
-        return f"{name}: {format_count(self.regions, 'checkpointed module')}{own}{self.reason and '; ' + self.reason}"
+        what = (f"checkpointed whole, rewritten in {format_count(self.segments, 'segment')} inside" if self.segments
+                else format_count(self.regions, 'checkpointed module'))
+        return f"{name}: {what}{own}{self.reason and '; ' + self.reason}"
 
 
 @dataclass
 class PartialPlan(AppliedPlan):
     """A plan of a model that does not capture as a whole, applied in parts (:mod:`fxplan.apply.partial`): the
-    regions of every planned part, by their paths in the model, and the parts (:class:`Part`). Its peaks are of the
-    whole step, measured on real steps (``meter`` says how), not on fake tensors."""
+    regions of every planned part by their paths in the model (``fxplan.auto_checkpoint``), or the plan of every
+    rewritten part by its path (``rewritten``: ``fxplan.rewrite``), and the parts (:class:`Part`). Its peaks are of
+    the whole step, measured on real steps (``meter`` says how), not on fake tensors."""
 
     parts: list[Part] = field(default_factory=list)
     meter: str = ""
+    rewritten: dict[str, Plan] = field(default_factory=dict)
 
     def summary(self) -> str:
         budget = "the smallest peak" if self.budget_bytes is None else f"a budget of {format_bytes(self.budget_bytes)}"
@@ -141,6 +146,7 @@ class PartialPlan(AppliedPlan):
             f"{format_count(len(planned), 'part')} planned, the rest runs eagerly as the model's code runs it",
             f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
             f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; {self.meter})",
+            f"  {format_count(len(self.rewritten), 'part')} rewritten" if self.rewritten else
             f"  {format_count(len(self.regions), 'checkpointed module')} in the planned parts",
         ]
         lines += [f"  planned: {p.describe()}" for p in planned]
@@ -155,13 +161,15 @@ class PartialPlan(AppliedPlan):
         d = json.loads(super().to_json())
         d["parts"] = [vars(p) for p in self.parts]
         d["meter"] = self.meter
+        d["rewritten"] = {path: plan.to_dict() for path, plan in self.rewritten.items()}
         return json.dumps(d)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> PartialPlan:
         return PartialPlan(d["model_class"], d["input_shapes"], [RegionPlan.from_dict(r) for r in d["regions"]],
                            d["measured_peak_bytes"], d["vanilla_peak_bytes"], d["budget_bytes"],
-                           parts=[Part(**p) for p in d["parts"]], meter=d.get("meter", ""))
+                           parts=[Part(**p) for p in d["parts"]], meter=d.get("meter", ""),
+                           rewritten={path: Plan.from_dict(p) for path, p in d.get("rewritten", {}).items()})
 
 
 def input_shapes(call: ExampleCall) -> str:

@@ -82,11 +82,11 @@ class PartRoute(Protocol):
     def lowers(self, plan: Any) -> bool:
         """Whether ``plan`` changes anything in its part's step."""
 
-    def installed(self, model: torch.nn.Module, placed: list[tuple[_Group, Any]]
+    def installed(self, model: torch.nn.Module, placed: list[tuple[PartGroup, Any]]
                   ) -> contextlib.AbstractContextManager[torch.nn.Module]:
         """A block inside which the module returned runs ``model`` with each group's plan on its parts."""
 
-    def planned_part(self, group: _Group, plan: Any, path: str) -> Part | None:
+    def planned_part(self, group: PartGroup, plan: Any, path: str) -> Part | None:
         """The :class:`Part` of ``path`` planned with ``plan``, or None where ``plan`` leaves that part as it is."""
 
 
@@ -106,11 +106,12 @@ class CheckpointedParts:
         return bool(plan.regions)
 
     @contextlib.contextmanager
-    def installed(self, model: torch.nn.Module, placed: list[tuple[_Group, AppliedPlan]]) -> Iterator[torch.nn.Module]:
+    def installed(self, model: torch.nn.Module,
+                  placed: list[tuple[PartGroup, AppliedPlan]]) -> Iterator[torch.nn.Module]:
         with runtime.installed(model, regions_placed(placed)):
             yield model
 
-    def planned_part(self, group: _Group, plan: AppliedPlan, path: str) -> Part | None:
+    def planned_part(self, group: PartGroup, plan: AppliedPlan, path: str) -> Part | None:
         regions = sum(r.path == path or r.path.startswith(path + ".") for r in group.place(plan))
         if not regions:
             return None
@@ -118,7 +119,7 @@ class CheckpointedParts:
                     plan.vanilla_peak_bytes)
 
 
-def regions_placed(placed: list[tuple[_Group, AppliedPlan]]) -> list[RegionPlan]:
+def regions_placed(placed: list[tuple[PartGroup, AppliedPlan]]) -> list[RegionPlan]:
     """The regions of each group's plan, on its parts' paths in the model."""
     return [r for g, plan in placed for r in g.place(plan)]
 
@@ -155,7 +156,7 @@ class PartsChosen:
     parts, and the whole step's peaks, measured as ``meter`` says."""
 
     parts: list[Part]
-    placed: list[tuple[_Group, Any]]
+    placed: list[tuple[PartGroup, Any]]
     peak_bytes: int
     vanilla_peak_bytes: int
     meter: str
@@ -223,7 +224,7 @@ def apply_in_parts(model: torch.nn.Module, plan: PartialPlan, call: ExampleCall,
     if plan.model_class != type(model).__qualname__:
         raise FxplanError(f"this plan was made for {plan.model_class}, not {type(model).__qualname__}; plan this "
                           "model with fxplan.auto_checkpoint(model, ..., example_inputs=...)")
-    peak = _whole_peak_of(model, call, loss_fn, runtime.installed(model, plan.regions))
+    peak = whole_peak_of(model, call, loss_fn, runtime.installed(model, plan.regions))
     return replace(plan, input_shapes=input_shapes(call), measured_peak_bytes=peak)
 
 
@@ -302,7 +303,7 @@ def _same_host_states(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
 
 
 @dataclass
-class _Group:
+class PartGroup:
     """Parts of one structure and call shapes with one plan (``smallest``: its smallest), made for ``module``: the
     first part itself, its plan repeated on the others, or, where ``chained``, a :class:`_Chain` of them all."""
 
@@ -347,23 +348,44 @@ class _Chain(torch.nn.Module):
         return x
 
 
+def _record_of(records: dict[str, _Recorded], modules: dict[str, torch.nn.Module], path: str,
+               parent: str) -> tuple[_Recorded | None, str]:
+    """The recorded calls of the module at ``path`` (child of ``parent``), and how they were found: its own, or,
+    where the step recorded did not call it (a layer LayerDrop dropped), a sibling's of the same structure."""
+    if path in records:
+        return records[path], ""
+    sibling = next((p for p in _children(modules[parent], parent) if p in records
+                    and _structure(modules[p]) == _structure(modules[path])), None)
+    if sibling is None:
+        return None, ""
+    return records[sibling], f"not called in the step recorded: planned on the call of {sibling}"
+
+
+def part_calls(model: torch.nn.Module, call: ExampleCall, paths: list[str]) -> dict[str, ExampleCall]:
+    """The call of each part at ``paths`` in a step of ``model`` on ``call``, as planning in parts finds it; an
+    :class:`FxplanError` where one cannot be a part so (a plan made for another model or call)."""
+    records, modules = _record_calls(model, call), dict(model.named_modules())
+    calls = {}
+    for path in paths:
+        record = _record_of(records, modules, path, path.rpartition(".")[0])[0] if path in modules else None
+        reason = "not in this model" if path not in modules else _not_a_part(modules[path], record)
+        if reason is not None:
+            raise FxplanError(f"the plan in parts names {path}, which cannot be a part of this "
+                              f"{type(model).__name__} called so ({reason}); plan this model instead")
+        calls[path] = record.call
+    return calls
+
+
 def _find_parts(model: torch.nn.Module, records: dict[str, _Recorded],
-                route: PartRoute) -> tuple[list[Part], list[_Group]]:
+                route: PartRoute) -> tuple[list[Part], list[PartGroup]]:
     """The parts of ``model`` (module docstring): the modules left eager, with why, and the groups of planned parts."""
     modules = dict(model.named_modules())
     parts: list[Part] = []
-    groups: dict[tuple, _Group] = {}
+    groups: dict[tuple, PartGroup] = {}
     failures: dict[tuple, str] = {}
 
     def record_of(path: str, parent: str) -> tuple[_Recorded | None, str]:
-        if path in records:
-            return records[path], ""
-        # not called: a sibling of the same structure gives its call (a layer LayerDrop dropped)
-        sibling = next((p for p in _children(modules[parent], parent) if p in records
-                        and _structure(modules[p]) == _structure(modules[path])), None)
-        if sibling is None:
-            return None, ""
-        return records[sibling], f"not called in the step recorded: planned on the call of {sibling}"
+        return _record_of(records, modules, path, parent)
 
     def key_of(path: str, parent: str) -> tuple | None:
         record, _ = record_of(path, parent)
@@ -405,11 +427,11 @@ def _find_parts(model: torch.nn.Module, records: dict[str, _Recorded],
                     outcome = _tried(chain, call, route)
                     if not isinstance(outcome, str):
                         notes = {p: f"planned with {run[0]} to {run[-1]} as one chain of layers" for p in run}
-                        groups[key] = _Group(key, run, chain, call, outcome, notes, chained=True)
+                        groups[key] = PartGroup(key, run, chain, call, outcome, notes, chained=True)
                         return
                 outcome = _tried(module, record.call, route)
                 if not isinstance(outcome, str):
-                    groups[key] = _Group(key, [path], module, record.call, outcome, {path: note})
+                    groups[key] = PartGroup(key, [path], module, record.call, outcome, {path: note})
                     return
                 failures[key] = outcome
             reason = failures[key]
@@ -468,7 +490,7 @@ def _tried(module: torch.nn.Module, call: ExampleCall, route: PartRoute) -> Any:
     return plan
 
 
-def _shared(groups: list[_Group], excess: int, route: PartRoute) -> dict[tuple, Any]:
+def _shared(groups: list[PartGroup], excess: int, route: PartRoute) -> dict[tuple, Any]:
     """Each group's plan for its share of ``excess`` bytes to save (module docstring)."""
     can = {g.key: max(0, g.smallest.vanilla_peak_bytes - g.smallest.measured_peak_bytes) for g in groups}
     total = sum(can[g.key] * (1 if g.chained else len(g.paths)) for g in groups)
@@ -485,12 +507,12 @@ def _shared(groups: list[_Group], excess: int, route: PartRoute) -> dict[tuple, 
     return shared
 
 
-def _placed(groups: list[_Group], chosen: dict[tuple, Any]) -> list[tuple[_Group, Any]]:
+def _placed(groups: list[PartGroup], chosen: dict[tuple, Any]) -> list[tuple[PartGroup, Any]]:
     """The groups that have a plan in ``chosen``, each with it."""
     return [(g, chosen[g.key]) for g in groups if g.key in chosen]
 
 
-def _parts_planned(groups: list[_Group], chosen: dict[tuple, Any], route: PartRoute) -> list[Part]:
+def _parts_planned(groups: list[PartGroup], chosen: dict[tuple, Any], route: PartRoute) -> list[Part]:
     """A :class:`Part` for each part of the groups, with the plan chosen for it (its own step's peaks: of the chain
     for chained layers)."""
     out = []
@@ -502,13 +524,13 @@ def _parts_planned(groups: list[_Group], chosen: dict[tuple, Any], route: PartRo
     return out
 
 
-def _whole_peak(model: torch.nn.Module, call: ExampleCall, route: PartRoute, placed: list[tuple[_Group, Any]],
+def _whole_peak(model: torch.nn.Module, call: ExampleCall, route: PartRoute, placed: list[tuple[PartGroup, Any]],
                 loss_fn: Callable[[Any], torch.Tensor] | None) -> int:
     """The largest peak of :data:`STEPS_MEASURED` real steps of ``model`` with ``placed`` on (``route``)."""
-    return _whole_peak_of(model, call, loss_fn, route.installed(model, placed))
+    return whole_peak_of(model, call, loss_fn, route.installed(model, placed))
 
 
-def _whole_peak_of(model: torch.nn.Module, call: ExampleCall, loss_fn: Callable[[Any], torch.Tensor] | None,
+def whole_peak_of(model: torch.nn.Module, call: ExampleCall, loss_fn: Callable[[Any], torch.Tensor] | None,
                    installed: contextlib.AbstractContextManager[Any]) -> int:
     """The largest peak of :data:`STEPS_MEASURED` real steps of copies of the module ``installed`` gives (None:
     ``model``), in sequence from the random state at planning time, which is left as it was."""

@@ -188,7 +188,7 @@ def _sharing(views: dict[str, str], inplace: dict[str, str], program: list[str])
 def _guarded_buffers(gm: fx.GraphModule, node: fx.Node) -> tuple[tuple[int, int], ...]:
     """``(key, bytes)`` of the buffers a checkpointed block's guard copies for ``node``: those it updates in place
     (the trace's ``mutates``), and every buffer of a norm layer it calls in training
-    (:meth:`fxplan.rewriter.recompute.Segment._known_mutating`)."""
+    (:meth:`fxplan.rewriter.recompute.Segment.known_mutating`)."""
     buffers = [resolve_attr(gm, key) for key in node.meta.get("fxplan_mutates", ())]
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))

@@ -55,7 +55,7 @@ from fxplan.errors import FxplanError
 from fxplan.rewriter import offload
 from fxplan.rewriter.emit import Emitter
 from fxplan.rewriter.planned_graph import Rewrite, split_off, validate
-from fxplan.rewriter.recompute import Segment, views_replayed
+from fxplan.rewriter.recompute import Segment, checkpointed, views_replayed
 from fxplan.solvers import subplans
 
 logger = logging.getLogger("fxplan")
@@ -85,6 +85,10 @@ class SegmentedModule(fx.GraphModule):
 
     fxplan_segments: tuple[tuple[str, ...], ...]
     fxplan_offloaded: tuple[str, ...] = ()
+    #: Run a planned training call checkpointed as a whole: the module is one segment, not the last, of a larger
+    #: step (a part of a model rewritten in parts, :mod:`fxplan.apply.rewritten_parts`), so its forward keeps only
+    #: its inputs and its backward recomputes it, with its own plan inside.
+    fxplan_checkpointed_whole: bool = False
 
     def recompile(self):
         result = super().recompile()
@@ -125,8 +129,7 @@ class SegmentedModule(fx.GraphModule):
         original = self.__dict__.get("_fxplan_original")
         interface = self.__dict__.get("_fxplan_interface")
         if original is None or interface is None:
-            with views_replayed():
-                return self._fxplan_graph_forward(*args, **kwargs)
+            return self._run_planned(args, kwargs)
         original.training = self.training
         if not torch.is_grad_enabled():
             return self._run_original(original, args, kwargs)
@@ -137,9 +140,28 @@ class SegmentedModule(fx.GraphModule):
                 logger.warning("fxplan: %s runs its original forward, without recomputation, for this call: "
                                "%s. Rewrite it for this call to plan it.", self._get_name(), why)
             return self._run_original(original, args, kwargs)
-        graph_args, graph_kwargs = interface.graph_inputs(args, kwargs)
-        with views_replayed(), self._offloading(graph_args, graph_kwargs):
-            return interface.output(self._fxplan_graph_forward(*graph_args, **graph_kwargs))
+        return interface.output(self._run_planned(*interface.graph_inputs(args, kwargs)))
+
+    def _run_planned(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The generated forward on the graph's inputs; checkpointed as a whole where
+        :attr:`fxplan_checkpointed_whole` and a training forward records gradients."""
+        if not (self.fxplan_checkpointed_whole and self.training and torch.is_grad_enabled()):
+            return self._graph_forward(*args, **kwargs)
+        # as a segment is checkpointed: its buffers guarded, from the random states of its forward
+        segments = self.segment_modules()
+        slots = [(f"{path}.{name}" if path else name, module, name) for path, module in self.named_modules()
+                 for name, buf in module._buffers.items() if buf is not None]
+        learned = self.__dict__.setdefault("_fxplan_whole_learned", set())
+        known = set(learned).union(*(segment.known_mutating(slots) for segment in segments))
+        generators = list({id(g): g for segment in segments for g in segment.own_generators()}.values())
+        out, new = checkpointed(self._graph_forward, args, kwargs, slots=slots, known=known, random=True,
+                                generators=generators)
+        learned.update(new)
+        return out
+
+    def _graph_forward(self, *args: Any, **kwargs: Any) -> Any:
+        with views_replayed(), self._offloading(args, kwargs):
+            return self._fxplan_graph_forward(*args, **kwargs)
 
     def _offloading(self, args: tuple, kwargs: dict[str, Any]) -> contextlib.AbstractContextManager:
         """The session that keeps the plan's offloaded values in host memory (:mod:`fxplan.rewriter.offload`) for

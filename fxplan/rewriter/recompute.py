@@ -231,7 +231,7 @@ class Segment(fx.GraphModule):
                 slots.append((target, mod, name))
         return slots
 
-    def _known_mutating(self, slots: list[tuple[str, torch.nn.Module, str]]) -> set[str]:
+    def known_mutating(self, slots: list[tuple[str, torch.nn.Module, str]]) -> set[str]:
         """Buffers the forward will mutate: seen by :func:`fxplan.costs.trace.trace` in what the graph's ops
         write, learned in earlier steps, and (for graphs not traced by fxplan) training norm layers."""
         known = set(self._fxplan_learned)
@@ -282,23 +282,8 @@ class Segment(fx.GraphModule):
         if not (self.fxplan_recompute and training and torch.is_grad_enabled()):
             return plain(*args, **kwargs)
         slots = self.buffer_slots()
-        guard = BufferGuard(slots, self._known_mutating(slots))
-        context_fn = guard.contexts
-        random = self.may_draw_random()
-        if random and _metering_host_memory(args, kwargs):
-            context_fn = functools.partial(MeteredRngStates.contexts, guard.contexts)
-        generators = self.own_generators()
-        if generators:
-            context_fn = functools.partial(GeneratorStates.contexts, generators, context_fn)
-        out = checkpoint(
-            plain,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=random,
-            context_fn=context_fn,
-            **kwargs,
-        )
-        new = guard.finish()
+        out, new = checkpointed(plain, args, kwargs, slots=slots, known=self.known_mutating(slots),
+                                random=self.may_draw_random(), generators=self.own_generators())
         if new:
             self._fxplan_learned.update(new)
             surprising = [k for k in new if not k.endswith(("running_mean", "running_var",
@@ -312,6 +297,23 @@ class Segment(fx.GraphModule):
                     stacklevel=2,
                 )
         return out
+
+
+def checkpointed(plain: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *,
+                 slots: list[tuple[str, torch.nn.Module, str]], known: set[str], random: bool,
+                 generators: list[torch.Generator]) -> tuple[Any, list[str]]:
+    """``plain(*args, **kwargs)`` checkpointed: recomputed in backward with the buffers at ``slots`` guarded
+    (:class:`BufferGuard`, ``known``: those expected to be mutated), from the random state of the forward where
+    ``random``, and from the states of ``generators``. Returns the output and the keys of the buffers the forward
+    mutated that were not known."""
+    guard = BufferGuard(slots, known)
+    context_fn = guard.contexts
+    if random and _metering_host_memory(args, kwargs):
+        context_fn = functools.partial(MeteredRngStates.contexts, guard.contexts)
+    if generators:
+        context_fn = functools.partial(GeneratorStates.contexts, generators, context_fn)
+    out = checkpoint(plain, *args, use_reentrant=False, preserve_rng_state=random, context_fn=context_fn, **kwargs)
+    return out, guard.finish()
 
 
 def views_replayed() -> contextlib.AbstractContextManager:
