@@ -7,7 +7,7 @@ Public modules besides what is re-exported here: ``fxplan.costs.trace`` (model -
 
 from fxplan import bptt
 from fxplan.api import min_budget_bytes, plan, rewrite
-from fxplan.apply.applied import AppliedPlan
+from fxplan.apply.applied import AppliedPlan, PartialPlan
 from fxplan.apply.auto import auto_checkpoint, remove_checkpoints
 from fxplan.errors import BudgetError, FxplanError, TraceError
 from fxplan.measure.meter import StepStats, measure_step
@@ -16,7 +16,7 @@ from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.plans import Plan
 
 __all__ = [
-    "AppliedPlan", "BudgetError", "CostGraph", "FxplanError", "Plan", "StepStats", "TraceError", "auto_checkpoint",
-    "bptt", "measure_step", "min_budget_bytes", "plan", "remove_checkpoints", "rewrite", "track_memory",
+    "AppliedPlan", "BudgetError", "CostGraph", "FxplanError", "PartialPlan", "Plan", "StepStats", "TraceError",
+    "auto_checkpoint", "bptt", "measure_step", "min_budget_bytes", "plan", "remove_checkpoints", "rewrite", "track_memory",
 ]
 __version__ = "0.1.0"

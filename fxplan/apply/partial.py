@@ -14,7 +14,7 @@ data-dependent choices and its random draws included, runs once per step as writ
 What a part is: a module with submodules, called once in the step with plain values (tensors, numbers, strings, None
 and containers of them), that writes into none of its arguments in place and does not draw from Python's or numpy's
 random generators (recomputation would draw again), and whose own step captures. A module that fails one of these is
-left eager and its children are tried. The calls are recorded in one real forward of a copy of the model (the calls'
+left eager and its children are tried; where none is a part, the whole capture's error is raised. The calls are recorded in one real forward of a copy of the model (the calls'
 arguments copied, the random state left as it was). A module the recorded step did not call (a layer LayerDrop
 dropped) is planned on the call of a sibling of the same structure where one was called. Parts of one structure and
 call shapes (a model's repeated layers) share one plan; on the checkpointed route, repeated layers that follow one
@@ -173,6 +173,9 @@ def plan_in_parts(model: torch.nn.Module, call: ExampleCall, budget: int | None,
     logger.info("fxplan: %s does not capture as a whole (%s); planning its submodules that do",
                 type(model).__name__, root.reason)
     parts, groups = _find_parts(model, _record_calls(model, call), route)
+    if not groups:  # nothing to plan in parts: the capture's refusal says why
+        logger.info("fxplan: no submodule of %s captures", type(model).__name__)
+        raise failure
     parts.insert(0, root)
     meter = (f"the largest of {STEPS_MEASURED} real steps on the {device_of(model, (call.args, call.kwargs)).type} "
              "from the random state at planning time")
