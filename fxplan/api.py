@@ -27,6 +27,7 @@ from fxplan.apply.partial import data_dependent_cause
 from fxplan.capture import effects
 from fxplan.capture.capturers import CallInterface, Captured, ExampleCall, as_call, capture, symbolic_trace_module
 from fxplan.capture.fakes import DATA_DEPENDENT, caches_kept_real, has_fake, refusing_data_dependent
+from fxplan.capture.guards import host_generators_kept
 from fxplan.capture.regions import with_regions
 from fxplan.common import collector, heartbeat
 from fxplan.common.console import format_bytes, format_count
@@ -236,7 +237,8 @@ def fit_budget(
     Says what it is doing on the ``fxplan`` logger at INFO level (a large model takes minutes): the trace,
     then the plan chosen, with seconds and fake-tensor steps, and every ``HEARTBEAT_S`` seconds in between the
     stage it is in (:mod:`fxplan.common.heartbeat`)."""
-    with heartbeat.beating(f"planning {type(model).__name__}"):
+    # fake steps run the model's own forward, which may draw from Python's or numpy's generators (SpecAugment)
+    with heartbeat.beating(f"planning {type(model).__name__}"), host_generators_kept():
         try:
             return _fit(model, example_inputs, budget_bytes, strategy=strategy, solver=solver, loss_fn=loss_fn,
                         offload=offload, host_limit=host_limit)

@@ -182,11 +182,15 @@ def test_a_detector_is_rewritten_in_parts_within_the_budget_and_trains_exactly()
 
 def test_a_speech_encoder_with_layerdrop_is_rewritten_in_parts_and_drops_the_same_layers():
     """fxplan.rewrite of Wav2Vec2 with LayerDrop: each encoder layer is rewritten and checkpointed whole, so the
-    forward keeps only the layers' inputs; the same layers are dropped as by the original, bitwise."""
+    forward keeps only the layers' inputs; planning leaves the random generators as they were, and the same
+    layers are dropped as by the original, bitwise."""
     model, inputs = _speech_encoder(layers=6, layerdrop=0.2, samples=2000)
     original = copy.deepcopy(model)
     _seeded(5)
+    states = torch.random.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
     rewritten = fxplan.rewrite(model, example_inputs=inputs, loss_fn=_speech_loss)
+    assert torch.equal(torch.random.get_rng_state(), states[0])
+    assert (np.random.get_state()[1] == states[1]).all() and random.getstate() == states[2]
     plan = rewritten.fxplan_plan
     assert {f"encoder.layers.{i}" for i in range(6)} <= set(plan.rewritten)
     assert plan.measured_peak_bytes < 0.5 * plan.vanilla_peak_bytes
