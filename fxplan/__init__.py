@@ -17,6 +17,7 @@ from fxplan.solvers.plans import Plan
 
 __all__ = [
     "AppliedPlan", "BudgetError", "CostGraph", "FxplanError", "PartialPlan", "Plan", "StepStats", "TraceError",
-    "auto_checkpoint", "bptt", "measure_step", "min_budget_bytes", "plan", "remove_checkpoints", "rewrite", "track_memory",
+    "auto_checkpoint", "bptt", "measure_step", "min_budget_bytes", "plan", "remove_checkpoints", "rewrite",
+    "track_memory",
 ]
 __version__ = "0.1.0"

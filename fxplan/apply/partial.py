@@ -14,10 +14,11 @@ data-dependent choices and its random draws included, runs once per step as writ
 What a part is: a module with submodules, called once in the step with plain values (tensors, numbers, strings, None
 and containers of them), that writes into none of its arguments in place and does not draw from Python's or numpy's
 random generators (recomputation would draw again), and whose own step captures. A module that fails one of these is
-left eager and its children are tried; where none is a part, the whole capture's error is raised. The calls are recorded in one real forward of a copy of the model (the calls'
-arguments copied, the random state left as it was). A module the recorded step did not call (a layer LayerDrop
-dropped) is planned on the call of a sibling of the same structure where one was called. Parts of one structure and
-call shapes (a model's repeated layers) share one plan; on the checkpointed route, repeated layers that follow one
+left eager and its children are tried; where none is a part, the whole capture's error is raised. The calls are
+recorded in one real forward of a copy of the model (the calls' arguments copied, the random state left as it
+was). A module the recorded step did not call (a layer LayerDrop dropped) is planned on the call of a sibling of the
+same structure where one was called. Parts of one structure and call shapes (a model's repeated layers) share one
+plan; on the checkpointed route, repeated layers that follow one
 another are planned as one chain (:class:`_Chain`), since what checkpointing a layer saves is what it holds while
 the later layers run.
 
@@ -181,7 +182,7 @@ def plan_in_parts(model: torch.nn.Module, call: ExampleCall, budget: int | None,
              "from the random state at planning time")
     vanilla = _whole_peak(model, call, route, [], loss_fn)
     chosen = {g.key: g.smallest for g in groups}
-    peak = _whole_peak(model, call, route, _placed(groups, chosen), loss_fn) if groups else vanilla
+    peak = _whole_peak(model, call, route, _placed(groups, chosen), loss_fn)
     smallest = peak
     if budget is not None and budget >= vanilla:
         chosen, peak = {}, vanilla
