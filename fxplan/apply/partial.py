@@ -18,9 +18,8 @@ left eager and its children are tried; where none is a part, the whole capture's
 recorded in one real forward of a copy of the model (the calls' arguments copied, the random state left as it
 was). A module the recorded step did not call (a layer LayerDrop dropped) is planned on the call of a sibling of the
 same structure where one was called. Parts of one structure and call shapes (a model's repeated layers) share one
-plan; on the checkpointed route, repeated layers that follow one
-another are planned as one chain (:class:`_Chain`), since what checkpointing a layer saves is what it holds while
-the later layers run.
+plan; on the checkpointed route, repeated layers that follow one another are planned as one chain
+(:class:`_Chain`), since what checkpointing a layer saves is what it holds while the later layers run.
 
 The budget is of the whole step. A fake step of the whole model stops where its capture did, so the whole step is
 measured on real steps of a copy (:data:`STEPS_MEASURED` of them in sequence, from the random state at planning time,
