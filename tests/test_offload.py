@@ -19,7 +19,7 @@ from fxplan.capture import effects
 from fxplan.capture.capturers import capture
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.rewriter.codegen import segment_module
-from fxplan.solvers.offload import Offloadable, copy_schedule, fewest_offloaded, offload_order
+from fxplan.solvers.offload import Offloadable, copy_schedule, fewest_fitting, offload_order
 from fxplan.solvers.plans import Plan
 
 transformers = pytest.importorskip("transformers")
@@ -81,7 +81,7 @@ def test_the_fewest_values_offloaded_that_fit_are_found_by_bisection():
         return k, peaks[k]
 
     def fewest(bar, measure=measure):
-        return fewest_offloaded((6, peaks[6]), 6, measure, lambda step: step[1] <= bar)[0]
+        return fewest_fitting((6, peaks[6]), 6, measure, lambda step: step[1] <= bar)[0]
 
     assert [fewest(bar) for bar in (100, 85, 80, 60)] == [0, 2, 2, 4]
     assert len(asked) <= 4 * 3  # at most log2 of the count, plus one, each

@@ -183,7 +183,7 @@ def test_a_detector_is_rewritten_in_parts_within_the_budget_and_trains_exactly()
 def test_a_speech_encoder_with_layerdrop_is_rewritten_in_parts_and_drops_the_same_layers():
     """fxplan.rewrite of Wav2Vec2 with LayerDrop: each encoder layer is rewritten and checkpointed whole, so the
     forward keeps only the layers' inputs; planning leaves the random generators as they were, and the same
-    layers are dropped as by the original, bitwise."""
+    layers are dropped as by the original, bitwise. For a budget above the smallest peak, fewer parts are planned."""
     model, inputs = _speech_encoder(layers=6, layerdrop=0.2, samples=2000)
     original = copy.deepcopy(model)
     _seeded(5)
@@ -197,6 +197,10 @@ def test_a_speech_encoder_with_layerdrop_is_rewritten_in_parts_and_drops_the_sam
     assert "encoder (Wav2Vec2Encoder): runs eagerly: data-dependent code" in plan.summary()
     calls = _assert_trains_as_the_original(rewritten, original, inputs, _speech_loss, tuple(plan.rewritten))
     assert any(len({n for n in called if n.startswith("encoder.layers.")}) < 6 for called in calls)
+    budget = (plan.measured_peak_bytes + plan.vanilla_peak_bytes) // 2  # a part checkpointed costs a forward of it
+    _seeded(5)
+    fewer = fxplan.rewrite(original, budget_bytes=budget, example_inputs=inputs, loss_fn=_speech_loss).fxplan_plan
+    assert fewer.measured_peak_bytes <= budget and 0 < len(fewer.rewritten) < len(plan.rewritten)
 
 
 class _NumpyMask(nn.Module):

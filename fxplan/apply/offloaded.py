@@ -19,7 +19,7 @@ from fxplan.apply.regions import RegionPlan
 from fxplan.apply.runtime import call_label
 from fxplan.costs.host_link import HostLink
 from fxplan.planner.search import negligibly_above
-from fxplan.solvers.offload import Offloadable, copy_schedule, fewest_offloaded
+from fxplan.solvers.offload import Offloadable, copy_schedule, fewest_fitting
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class RegionOffloads:
         if budget is not None and most.step.peak_bytes > budget:
             return most
         bar = budget if budget is not None else negligibly_above(most.step.peak_bytes)
-        return fewest_offloaded(most, most.count, lambda k: self._with(regions, order, k),
+        return fewest_fitting(most, most.count, lambda k: self._with(regions, order, k),
                                 lambda fit: fit.step.peak_bytes <= bar)
 
     def _with(self, regions: list[RegionPlan], order: list[int], count: int) -> OffloadFit:

@@ -54,6 +54,7 @@ from fxplan.capture.guards import host_generators_kept
 from fxplan.common.console import format_bytes, format_count
 from fxplan.errors import BudgetError, FxplanError, user_frame
 from fxplan.measure.meter import device_of, measure_step, real_copy
+from fxplan.solvers.offload import fewest_fitting
 
 logger = logging.getLogger("fxplan")
 
@@ -199,13 +200,16 @@ def plan_in_parts(model: torch.nn.Module, call: ExampleCall, budget: int | None,
             excess += tried - budget
     if peak >= vanilla:
         chosen, peak = {}, vanilla
+    keep = None
+    if budget is not None and chosen and not route.chains and peak <= budget:
+        keep, peak = _fewest_planned(model, call, route, groups, chosen, budget, peak, loss_fn)
     if budget is not None and peak > budget:
         raise BudgetError(
             f"{route.name}: {type(model).__name__} planned in parts ({format_count(len(groups), 'kind')} of "
             f"part) does not fit {format_bytes(budget)} per step; the smallest measured is {format_bytes(smallest)} "
             f"({smallest} bytes, {meter})", smallest, advice=f"budget_bytes={smallest} is accepted.")
-    placed = _placed(groups, chosen)
-    parts += _parts_planned(groups, chosen, route)
+    placed = _placed(groups, chosen, keep)
+    parts += _parts_planned(groups, chosen, route, keep)
     logger.info("fxplan: planned %s of %s: measured peak %s (unplanned %s), planned in %.1f s",
                 format_count(sum(p.planned for p in parts), "part"), type(model).__name__, format_bytes(peak),
                 format_bytes(vanilla), time.perf_counter() - t0)
@@ -510,19 +514,46 @@ def _shared(groups: list[PartGroup], excess: int, route: PartRoute) -> dict[tupl
     return shared
 
 
-def _placed(groups: list[PartGroup], chosen: dict[tuple, Any]) -> list[tuple[PartGroup, Any]]:
-    """The groups that have a plan in ``chosen``, each with it."""
-    return [(g, chosen[g.key]) for g in groups if g.key in chosen]
+def _placed(groups: list[PartGroup], chosen: dict[tuple, Any],
+            keep: set[str] | None = None) -> list[tuple[PartGroup, Any]]:
+    """The groups that have a plan in ``chosen``, each with it; with ``keep``, only its parts at those paths."""
+    placed = []
+    for g in groups:
+        paths = [p for p in g.paths if keep is None or p in keep]
+        if g.key in chosen and paths:
+            placed.append((g if paths == g.paths else replace(g, paths=paths), chosen[g.key]))
+    return placed
 
 
-def _parts_planned(groups: list[PartGroup], chosen: dict[tuple, Any], route: PartRoute) -> list[Part]:
+def _fewest_planned(model: torch.nn.Module, call: ExampleCall, route: PartRoute, groups: list[PartGroup],
+                    chosen: dict[tuple, Any], budget: int, peak: int,
+                    loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[set[str], int]:
+    """The fewest parts planned with ``chosen``, the model's first ones first, whose whole step fits ``budget``
+    (all of them: ``peak``), and their step's peak; by bisection on the count. For routes without chains (the
+    rewrite's): a part planned there costs one more forward pass of it, so none is planned that the budget does
+    not need."""
+    order = [path for path, _ in model.named_modules() if any(path in g.paths for g in groups if g.key in chosen)]
+
+    def measure(k: int) -> tuple[int, int]:
+        return k, _whole_peak(model, call, route, _placed(groups, chosen, set(order[:k])), loss_fn)
+
+    count, fewest_peak = fewest_fitting((len(order), peak), len(order), measure, lambda step: step[1] <= budget)
+    if count < len(order):
+        logger.info("fxplan: %s of %s planned are enough for the budget: whole step %s", count, len(order),
+                    format_bytes(fewest_peak))
+    return set(order[:count]), fewest_peak
+
+
+def _parts_planned(groups: list[PartGroup], chosen: dict[tuple, Any], route: PartRoute,
+                   keep: set[str] | None = None) -> list[Part]:
     """A :class:`Part` for each part of the groups, with the plan chosen for it (its own step's peaks: of the chain
-    for chained layers)."""
+    for chained layers), but for those not in ``keep``."""
     out = []
     for g in groups:
         plan = chosen.get(g.key)
         for path in g.paths:
-            part = route.planned_part(g, plan, path) if plan is not None else None
+            planned = plan is not None and (keep is None or path in keep)
+            part = route.planned_part(g, plan, path) if planned else None
             out.append(part or Part(path, g.part_class, False, "captures; left unplanned, the budget holds without it"))
     return out
 

@@ -24,7 +24,7 @@ from fxplan.measure.meter import StepStats
 from fxplan.planner.search import negligibly_above
 from fxplan.planner.variants import Choice, Searches
 from fxplan.rewriter.codegen import SegmentedModule
-from fxplan.solvers.offload import CopySchedule, Offloadable, copy_schedule, fewest_offloaded, offload_order
+from fxplan.solvers.offload import CopySchedule, Offloadable, copy_schedule, fewest_fitting, offload_order
 from fxplan.solvers.plans import Plan
 
 logger = logging.getLogger("fxplan")
@@ -93,7 +93,7 @@ class OffloadSearch:
         if everything is None or (budget_bytes is not None and everything.stats.peak_bytes > budget_bytes):
             return everything
         bar = budget_bytes if budget_bytes is not None else negligibly_above(everything.stats.peak_bytes)
-        return fewest_offloaded(everything, len(values), lambda k: self._measured(base, values[:k]),
+        return fewest_fitting(everything, len(values), lambda k: self._measured(base, values[:k]),
                                 lambda fit: fit.stats.peak_bytes <= bar)
 
     def _census(self, base: Choice) -> list[Offloadable]:

@@ -68,11 +68,11 @@ def offload_order(values: Sequence[Offloadable]) -> list[Offloadable]:
     return sorted(values, key=lambda v: (v.made_at, -v.last_read_at, v.name))
 
 
-def fewest_offloaded(most: Step, count: int, measure: Callable[[int], Step | None],
+def fewest_fitting(most: Step, count: int, measure: Callable[[int], Step | None],
                      fits: Callable[[Step], bool]) -> Step:
-    """The measured step of the fewest of the first ``count`` values in offload order whose step ``fits``, found
-    by bisection (the device peak falls as more values go); ``most``, the step with all ``count`` offloaded, fits.
-    ``measure(k)``: the step with the first ``k`` offloaded, None where it cannot be made."""
+    """The measured step of the fewest of the first ``count`` items (values in offload order, parts of a model)
+    whose step ``fits``, found by bisection (the peak falls as more of them are offloaded or planned); ``most``, the
+    step with all ``count``, fits. ``measure(k)``: the step with the first ``k``, None where it cannot be made."""
     low, high, best = 0, count, most
     while low < high:
         middle = (low + high) // 2
