@@ -7,14 +7,15 @@ root to each planned part copied (:func:`with_parts`) and each planned part repl
 with the user's model, as a rewritten module shares it: parameters, buffers and the modules off those ways. So the
 forward, its signature and the other methods are the model's own, and the user's model is left as it was.
 
-A part is one segment of the model's step, and not its last (Kusumoto et al. 2019, section 3: every segment but the
-last is recomputed in backward): its rewritten module runs checkpointed as a whole
-(:attr:`~fxplan.rewriter.codegen.SegmentedModule.fxplan_checkpointed_whole`), so the
-forward keeps only the part's inputs for it, and its backward recomputes it with its own plan inside, which bounds
-the part's own step (a nested plan, section 4.3). Without the outer checkpoint a rewritten part would keep its last
-segment's activations from its forward to its backward, while the rest of the model runs: a chain of repeated
-layers, each rewritten on its own, would keep nearly all they keep unplanned. The price is one more forward pass
-of each planned part, beside what its plan recomputes.
+A part is one segment of the model's step, and not its last. A rewritten module recomputes every segment of its
+plan but the last, whose backward runs on the values its forward made; so a planned part runs checkpointed as a
+whole (:attr:`~fxplan.rewriter.codegen.SegmentedModule.fxplan_checkpointed_whole`): the forward keeps only the
+part's inputs for it, and its backward recomputes it with its own plan inside, which bounds the part's own step
+(the recursion of Chen et al. 2016, section 4.4: a segment is one operator, planned inside by the same scheme).
+Without the outer checkpoint a rewritten part would keep its last segment's activations from its forward to its
+backward, while the rest of the model runs: a chain of repeated layers, each rewritten on its own, would keep
+nearly all they keep unplanned. The price is one more forward pass of each planned part, beside what its plan
+recomputes, so for a budget the fewest parts that fit are planned (:mod:`fxplan.apply.partial`).
 """
 
 from __future__ import annotations
