@@ -116,6 +116,21 @@ def test_roofline_prices_memory_bound_ops():
     assert big.nodes["relu"]["T"] > roof.nodes["relu"]["T"]
 
 
+def test_the_fused_model_prices_a_step_as_inductor_runs_it():
+    """Under inductor a BatchNorm and a ReLU run inside the kernels that read them: they cost one op's floor, a
+    convolution its FLOPs, whatever the data's size."""
+    x = torch.randn(4, 8, 16, 16)
+    fused = trace(Block(), (x,), cost_model="fused")
+    speed = device_speed("cpu")
+    assert fused.graph["cost_model"] == "fused" and fused.graph["T_seconds"] == T_SECONDS
+    for v in ("bn", "relu", "flatten"):
+        assert fused.nodes[v]["T"] * T_SECONDS == pytest.approx(speed.op_seconds)
+    conv = fused.nodes["conv1"]
+    assert conv["T"] * T_SECONDS == pytest.approx(max(conv["flops"] / speed.flops_per_s, speed.op_seconds))
+    big = trace(Block(), (torch.randn(16, 8, 16, 16),), cost_model="fused")
+    assert big.nodes["relu"]["T"] == pytest.approx(fused.nodes["relu"]["T"])
+
+
 def test_measured_model_leaves_the_model_alone_and_shares_equal_layers():
     torch.manual_seed(0)
     model = Block()

@@ -50,13 +50,15 @@ class AppliedPlan:
                  f"a real step compiled with torch.compile(backend={self.compile_backend!r})")
         if self.per_rank:
             meter += ", one rank of the model sharded by shard="
+        priced = ("cost model" if self.compile_backend != "inductor" else
+                  "priced as inductor runs it: fused pointwise ops cost nothing")
         lines = [
             f"fxplan plan applied to {self.model_class} for {budget} (input shapes {self.input_shapes})",
             f"  measured peak of one training step {format_bytes(self.measured_peak_bytes)} "
             f"(unplanned: {format_bytes(self.vanilla_peak_bytes)}; {meter})",
             f"  {format_count(len(self.regions), 'checkpointed module')}; of their {format_count(calls, 'op call')}, "
             f"{saved} saved and {calls - saved} recomputed in backward",
-            f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass (cost model)",
+            f"  recomputed in backward: {100 * self.recompute_fraction:.1f}% of one forward pass ({priced})",
         ]
         if self.offloaded_calls:
             lines.append(f"  offloaded to host memory: {format_count(self.offloaded_calls, 'saved op output')}, "

@@ -87,7 +87,9 @@ def auto_checkpoint(
     :func:`fxplan.measure_step` measures a compiled module, one real step after one that compiles (so
     ``example_inputs`` must be real tensors, and every measurement compiles; ``torch._dynamo.reset()`` runs
     before each, so other compiled functions of the process compile again at their next call). Compile
-    frees and fuses what eager code keeps, so a plan's compiled step often peaks well below its eager one.
+    frees and fuses what eager code keeps, so a plan's compiled step often peaks well below its eager one. With
+    ``"inductor"`` plans are priced as it runs them (``trace``'s ``cost_model="fused"``): a recomputed pointwise op
+    or norm is fused into the kernels that read it and costs nothing, a matrix product costs its FLOPs.
 
     ``shard`` is the training script's function that shards a module in place (FSDP2's ``fully_shard`` on each
     layer, then on the root): the budget is then per rank, and every step is measured as
@@ -231,7 +233,7 @@ def _search_plans(model: torch.nn.Module, call: ExampleCall, budget: int | None,
         logger.info("fxplan: the budget %s is above the unplanned peak %s: nothing to checkpoint",
                     format_bytes(budget), format_bytes(vanilla))
         return unplanned
-    cg = trace(model, call, probe_units=solver != "chen")
+    cg = trace(model, call, probe_units=solver != "chen", cost_model=_cost_model(meter))
     captured = cg.graph["captured"]
     ops = node_ops(model, captured, call)
     tree, blocks, worth = module_tree(model), repeated_blocks(model), worth_saving(cg)
@@ -309,6 +311,12 @@ def _search_plans(model: torch.nn.Module, call: ExampleCall, budget: int | None,
                 format_count(len(best.regions), "checkpointed module"), type(model).__name__,
                 format_bytes(best.measured_peak_bytes), format_bytes(vanilla), time.perf_counter() - t0)
     return best
+
+
+def _cost_model(meter: _Meter) -> str:
+    """How plans are priced: as inductor runs the step where it is what the meter measures (pointwise ops fused
+    into their readers, :mod:`fxplan.costs.trace`), else the eager step's roofline."""
+    return "fused" if meter.compile_backend == "inductor" else "roofline"
 
 
 def _graph_plan(searches: Searches, target: int | None, strategy: str, least: bool = False) -> Plan:

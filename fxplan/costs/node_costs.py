@@ -167,7 +167,10 @@ def time_costs(cg: CostGraph, gm: torch.fx.GraphModule, propagator: CostPropagat
     nodes = {n.name: n for n in gm.graph.nodes}
     for name in cg.nodes:
         rec = records[name]
-        seconds = speed.seconds(rec.flops, rec.bytes_moved, rec.ops, rec.op_bytes)
+        if cost_model == "fused":  # pointwise ops and norms run inside the kernels of their readers
+            seconds = speed.seconds(rec.flops, 0, 0)
+        else:
+            seconds = speed.seconds(rec.flops, rec.bytes_moved, rec.ops, rec.op_bytes)
         if cost_model == "measured" and rec.ops:
             try:
                 seconds = measure_seconds(_real_op(gm, nodes[name]), *rec.call, device)

@@ -55,7 +55,7 @@ T_SECONDS = 1e-6
 MEASURE_REPEATS = 3
 
 #: Cost models of :func:`fxplan.costs.trace.trace` whose T is time (seconds × 1e6), not FLOPs or the paper's units.
-TIME_MODELS = ("roofline", "measured")
+TIME_MODELS = ("roofline", "measured", "fused")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ through a private fake-tensor copy of the model, one node at a time, to record p
 * ``M``: bytes of the node's output tensors (as if written out of place);
 * ``T``: the node's forward cost. ``cost_model="roofline"`` (default) and ``"measured"``: microseconds on
   the model's device (:mod:`fxplan.costs.timecost`; a roofline of FLOPs, bytes moved and ops against the
-  device's measured speed, or the node timed on real tensors of its shapes); ``"flops"``: FLOPs from
+  device's measured speed, or the node timed on real tensors of its shapes); ``"fused"``: microseconds of the
+  node's FLOPs alone at the device's speed, with the fixed cost of one op as a floor, as a step compiled with
+  inductor runs it (pointwise ops and norms are fused into the kernels that read their outputs, so recomputing
+  them adds no pass over memory: the price torch.compile's own partitioner gives them); ``"flops"``: FLOPs from
   ``torch.utils.flop_counter`` with a floor of one per output element; ``"paper"``: the paper's rule
   (10 for a convolution, 1 otherwise);
 * what autograd saves for the node's backward, seen through ``saved_tensors_hooks``: whether it keeps
@@ -72,7 +75,7 @@ from fxplan.solvers.costgraph import CostGraph
 logger = logging.getLogger("fxplan")
 
 #: What ``trace`` accepts as ``cost_model``.
-COST_MODELS = ("roofline", "measured", "flops", "paper")
+COST_MODELS = ("roofline", "measured", "fused", "flops", "paper")
 
 
 @caches_kept_real()
@@ -83,9 +86,10 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, cost_model: str = "roo
     ``example_inputs`` is a tuple of positional arguments, a dict of keyword arguments or one tensor.
     ``cost_model`` (module docstring) is ``"roofline"`` (default: works on fake tensors, costs little
     more than counting FLOPs, and gives the same plan on every run), ``"measured"`` (each distinct node timed on real
-    tensors: closer to the machine, slower, and varies with load), ``"flops"`` or ``"paper"`` (Kusumoto et
+    tensors: closer to the machine, slower, and varies with load), ``"fused"`` (a step compiled with inductor),
+    ``"flops"`` or ``"paper"`` (Kusumoto et
     al. section 3: 10 for a convolution, 1 otherwise). ``cg.graph["T_seconds"]`` is the seconds of one
-    unit of T (1e-6 for the two time models; None for FLOPs and the paper's units, which are not time).
+    unit of T (1e-6 for the time models; None for FLOPs and the paper's units, which are not time).
     A model whose device cannot be timed here (meta tensors, fake CUDA tensors without a GPU) falls back
     from the time models to FLOPs, with a warning. The captured GraphModule (sharing the user's modules) is kept in
     ``cg.graph["gm"]`` and the :class:`~fxplan.capture.capturers.Captured` record in ``cg.graph["captured"]``.
