@@ -101,7 +101,8 @@ def device_speed(device: torch.device | str = "cpu") -> DeviceSpeed:
         if key in stored:
             _SPEEDS[key] = DeviceSpeed(**stored[key])
         else:
-            _SPEEDS[key] = _benchmark(device)
+            with _random_state_kept(device):
+                _SPEEDS[key] = _benchmark(device)
             write_cache({**stored, key: asdict(_SPEEDS[key])}, SPEEDS_FILE)
     return _SPEEDS[key]
 
@@ -127,18 +128,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _benchmark(device: torch.device) -> DeviceSpeed:
-    with _random_state_kept(device):
-        return _benchmarked(device)
-
-
 def _random_state_kept(device: torch.device) -> contextlib.AbstractContextManager:
     """torch's generators left as they were by a measurement on random tensors: a first use on a new machine
     (nothing cached yet) must not change the draws of the user's training."""
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def _benchmarked(device: torch.device) -> DeviceSpeed:
+def _benchmark(device: torch.device) -> DeviceSpeed:
     cuda = device.type == "cuda"
     with torch.no_grad():
         flops = _matmul_flops_per_s(device, 4096 if cuda else 1024)
