@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from fxplan.apply.applied import Part, PartialPlan, input_shapes
-from fxplan.apply.partial import PartGroup, PartsChosen, part_calls, plan_in_parts, whole_peak_of
+from fxplan.apply.partial import PartsChosen, plan_in_parts, whole_peak_of
+from fxplan.apply.parts import PartGroup, part_calls
 from fxplan.capture.capturers import ExampleCall
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import measure_step
