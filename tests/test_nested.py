@@ -429,7 +429,8 @@ def test_a_lowest_nested_plan_slightly_above_its_replay_is_kept_without_searchin
     """If the replay under-predicts nested plans by less than NESTED_SLACK, the plan the replay-ranked search finds
     is kept at its measured peak (below every canonical plan): the replay stays trusted and no move is measured."""
     from fxplan.costs.trace import trace
-    from fxplan.planner.search import NESTED_SLACK, TRUST, Search
+    from fxplan.planner.search import Search
+    from fxplan.planner.trust import NESTED_SLACK, TRUST
 
     model = Chain(convs=3)
     x = (torch.randn(16, 3, 32, 32),)
@@ -452,7 +453,8 @@ def test_a_cheaper_nested_plan_that_misses_its_replay_is_set_aside_and_the_repla
     cheapest; the lowest plan, measured, still stands, so the search does not start again measuring. Made here by
     recording a plan that does not fit as if its replay had said it does."""
     from fxplan.costs.trace import trace
-    from fxplan.planner.search import NEGLIGIBLE, Search
+    from fxplan.planner.search import Search
+    from fxplan.planner.trust import NEGLIGIBLE
 
     model = Chain(convs=5)
     x = (torch.randn(16, 3, 32, 32),)

@@ -21,8 +21,8 @@ from fxplan.costs.trace import trace
 from fxplan.errors import FxplanError
 from fxplan.planner import splice
 from fxplan.planner.plan_meter import PlanMeter
-from fxplan.planner.search import NEGLIGIBLE
 from fxplan.planner.step_model import step_model
+from fxplan.planner.trust import NEGLIGIBLE
 from fxplan.planner.variants import Searches
 from fxplan.solvers.units import PREFIX, Unit
 

@@ -40,7 +40,7 @@ from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import device_of, measure_step
 from fxplan.planner.offloading import seconds_per_T
 from fxplan.planner.planning import check_choices, host_limit, whole_step_budget
-from fxplan.planner.search import NEGLIGIBLE
+from fxplan.planner.trust import NEGLIGIBLE
 from fxplan.planner.variants import Searches
 from fxplan.rewriter import offload as offload_runtime
 from fxplan.solvers.plans import Plan

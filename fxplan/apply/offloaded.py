@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from fxplan.apply.regions import RegionPlan
 from fxplan.apply.runtime import call_label
 from fxplan.costs.host_link import HostLink
-from fxplan.planner.search import negligibly_above
+from fxplan.planner.trust import negligibly_above
 from fxplan.solvers.offload import Offloadable, copy_schedule, fewest_fitting
 
 

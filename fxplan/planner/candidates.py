@@ -32,16 +32,13 @@ from fxplan.planner.planning import (
 )
 from fxplan.planner.replay import AboveCap, Replay, replay
 from fxplan.planner.step_model import StepModel, step_model
+from fxplan.planner.trust import MARGIN
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers import dp
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.plans import Plan
 
 logger = logging.getLogger("fxplan")
-
-#: Assumed bound on how much the replay over-predicts one plan's measured peak beyond what it does on
-#: the plans measured so far (it over-predicted by at most 0.5% on the zoo: docs/rewrite.md).
-MARGIN = 0.01
 
 #: The search for the smallest peak looks at the frontier's plans from its bottom up to the first that predicts
 #: a peak above this many times the least replayed peak (:meth:`Candidates.bottom`; times the most the sweep model

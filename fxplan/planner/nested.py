@@ -35,7 +35,7 @@ measured peak to beat and predicts a gain (``RELATIVE_TOLERANCE``), and until ``
 lowered the round's best, at most ``MEASUREMENTS`` measurements per starting plan (fewer on large graphs), so
 planning time stays bounded on graphs with many segments.
 
-Where the replay has predicted every plan measured so far to within ``fxplan.planner.search.TRUST``, the search
+Where the replay has predicted every plan measured so far to within ``fxplan.planner.trust.TRUST``, the search
 trusts it (``trusted``): moves are ranked by their replayed peaks alone, with the same rules and counts,
 and none is measured; the caller measures the plan it takes (:meth:`fxplan.planner.search.Search.lowest`). Each
 measurement is a fake step of a rewritten module and its code generation; a replay is a fraction of one.
@@ -53,12 +53,14 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from fxplan.common.console import format_count
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.planner.plan_meter import PlanMeter
+from fxplan.planner.trust import RELATIVE_TOLERANCE, TOLERANCE
 from fxplan.solvers import dp, subplans
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.plans import Plan
@@ -97,21 +99,6 @@ CHEAPEN, CHEAPEN_REPLAY_WORK = 16, 200_000
 
 #: How many trailing nodes of a checkpointed block a cheapening move hands to its level's last block.
 SHIFTS = (1, 2, 4, 8, 16)
-
-#: A move is measured only if its replayed peak (:func:`fxplan.planner.replay.replay`, nested plans included) is at
-#: most this fraction above the measured peak it must beat. On random nested plans the replay is within 0.03%
-#: of the measurement on ResNet-50, DenseNet-121, GoogLeNet, EfficientNet-B0, ConvNeXt-atto and VGG-11; on a
-#: 4-layer GPT-2 it errs by up to 4.4% on plans nested three deep (docs/planner.md). Each measurement is a
-#: fake step; a replay, a fraction of one.
-TOLERANCE = 0.03
-
-#: A move is measured only if its replayed peak is below the replayed peak of the plan it must beat (the replay
-#: predicts a gain), and a tree that must keep a peak (:meth:`NestedSearch.cheapen`) only if its replayed peak is
-#: at most this fraction above that plan's. Where the replay errs, it errs alike on a plan and the moves made
-#: from it (the same segments around the peak), so a move it predicts lowers nothing, measured, lowers nothing:
-#: most of the search's measurements were such moves (no-budget ResNet-50 at batch 8: 44 fake steps before,
-#: 19 after, the same plan; docs/planner.md).
-RELATIVE_TOLERANCE = 0.005
 
 #: PATIENCE when moves are measured lowest replayed peak first: the moves that lower the peak come first.
 REPLAYED_PATIENCE = 2
@@ -320,6 +307,11 @@ class NestedSearch:
             self.measured.append(NestedResult(blocks, got[0], got[1], self._recompute(blocks), self._seed))
         return got
 
+    def _generated(self, blocks: list[Block]) -> bool:
+        """Whether the rewriter generates the tree's module: known of a measured tree (:meth:`measure` is None
+        otherwise), checked for one the search judges by its replay, before the search moves on from it."""
+        return not self.trusted or self.meter.accepts([b.names for b in blocks], subplans.as_children(blocks))
+
     def cheapen(self, found: NestedResult, seed: Plan) -> NestedResult:
         """A plan of measured peak at most ``found``'s that recomputes less, if the cheapening moves find one.
 
@@ -347,7 +339,7 @@ class NestedSearch:
                     continue
                 left -= not self.trusted
                 got = self.measure(tree, predicted)
-                if got is not None and got[0] <= found.measured:
+                if got is not None and got[0] <= found.measured and self._generated(tree):
                     best = NestedResult(tree, got[0], got[1], rf)
                     break
             else:
@@ -383,11 +375,12 @@ class NestedSearch:
     def cheapest(self, limit: int) -> tuple[NestedResult, Plan] | None:
         """The measured nested plan of least recomputation whose peak is at most ``limit`` (ties: the lower
         peak), and the plan its search started from; None if none fits."""
-        fits = [m for m in self.measured if m.measured <= limit]
-        if not fits:
-            return None
-        m = min(fits, key=lambda m: (m.recompute_fraction, m.measured))
-        return m, m.seed
+        for m in sorted((m for m in self.measured if m.measured <= limit),
+                        key=lambda m: (m.recompute_fraction, m.measured)):
+            if m.code is not None or self._generated(m.blocks):
+                return m, m.seed
+            m.measured = sys.maxsize  # replayed, and the rewriter rejects it
+        return None
 
     def _replayed(self, blocks: list[Block], cap: int | None = None, base: list[Block] | None = None) -> int:
         """The replayed peak of ``blocks`` (0 without a replay); above ``cap``, a lower bound of it above ``cap``:
@@ -467,7 +460,7 @@ class NestedSearch:
                     break
                 got = self.measure(cand, predicted)
                 idle += 1
-                if got is not None and got[0] < bar:
+                if got is not None and got[0] < bar and self._generated(cand):
                     round_best, idle = (got[0], got[1], cand, predicted), 0
             if round_best is None:
                 break

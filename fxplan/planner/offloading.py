@@ -21,7 +21,7 @@ from fxplan.common.console import format_bytes, format_count
 from fxplan.costs.host_link import HostLink
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.measure.meter import StepStats
-from fxplan.planner.search import negligibly_above
+from fxplan.planner.trust import negligibly_above
 from fxplan.planner.variants import Choice, Searches
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers.offload import CopySchedule, Offloadable, copy_schedule, fewest_fitting, offload_order

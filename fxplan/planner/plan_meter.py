@@ -78,6 +78,16 @@ class PlanMeter:
         step = self._step(segments, children, ())
         return None if step is None else (step[0].peak_bytes, step[2])
 
+    def accepts(self, segments: list[list[str]], children: dict) -> bool:
+        """Whether the rewriter generates the plan's module (as :meth:`measure` would before its step), for a plan
+        judged by its replay alone."""
+        try:
+            segment_module(self._fake_graph()[0], segments, children, ())
+        except FxplanError as exc:
+            logger.debug("plan of %s rejected by the rewriter: %s", format_count(len(segments), "segment"), exc)
+            return False
+        return True
+
     def measure_offloaded(self, segments: list[list[str]], children: dict,
                           offloaded: Sequence[str]) -> tuple[StepStats, list[tuple[str, int]], str] | None:
         """One step of the plan's module with the values of ``offloaded`` kept in host memory

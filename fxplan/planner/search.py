@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -70,16 +69,23 @@ from typing import Any
 
 import torch
 
-from fxplan.capture.guards import host_generators_kept
 from fxplan.common import heartbeat
 from fxplan.common.console import format_bytes
 from fxplan.errors import BudgetError, FxplanError
-from fxplan.measure.floor import physical_floor
-from fxplan.planner.candidates import MARGIN, Candidate, Candidates, in_replay_order
+from fxplan.planner.candidates import Candidate, Candidates, in_replay_order
 from fxplan.planner.near_replay import NearReplays
 from fxplan.planner.nested import NestedResult, NestedSearch
 from fxplan.planner.plan_meter import MeasuredWork
 from fxplan.planner.planning import check_choices
+from fxplan.planner.trust import (
+    MARGIN,
+    NESTED_MISSES,
+    NESTED_SLACK,
+    TRUST,
+    StepFloor,
+    negligibly_above,
+    replayed_within_trust,
+)
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers import subplans
 from fxplan.solvers.costgraph import CostGraph
@@ -92,68 +98,6 @@ logger = logging.getLogger("fxplan")
 #: within ``fxplan.planner.nested.SEEDS_MEASUREMENTS`` times one search's measurements; a start that lowers nothing
 #: costs one round of moves at most (``fxplan.planner.nested.MOVES_PER_ROUND`` measurements, fewer once replayed).
 SEEDS_PER_SOLVER = 8
-
-#: A nested plan chosen by its replay (the lowest plan's cheaper variants,
-#:meth:`fxplan.planner.nested.NestedSearch.cheapen`)
-#: that measures above what it must fit is set aside for the next cheapest this many times less one; then the
-#: replay is no longer trusted (:meth:`Search._confirmed`). DenseNet-161 at batch 4, 224²: a cheapened plan
-#: replayed 0.13% below its measured peak, and searching again by measurement took 56 s of a 94 s rewrite.
-NESTED_MISSES = 4
-
-#: Without a budget, savings below this fraction of the smallest peak do not justify recomputation.
-NEGLIGIBLE = 0.001
-
-
-def negligibly_above(peak: int) -> int:
-    """The most bytes a peak may take and still count as ``peak``: within ``NEGLIGIBLE`` of it."""
-    return math.floor(peak * (1 + NEGLIGIBLE))
-
-#: Once every candidate measured so far replayed within this fraction of its measured peak, the search
-#: ranks by replay instead of measuring (each measurement is a fake step of a rewritten module): the
-#: smallest candidate is the least replayed one, a budget rules out candidates replayed this much above
-#: it, and the nested search measures none of its moves (:meth:`Search.lowest`). What is returned is
-#: measured; a nested plan measuring above its replay by more than this fraction (or above the budget)
-#: sends the nested search back to measuring every move. On the zoo and the transformers the replay is
-#: within 0.01% of flat plans and 0.4% of nested ones (docs/planner.md).
-TRUST = 0.001
-
-#: The lowest nested plan found by replay (:meth:`Search.lowest`) that measures above its replay by more than
-#: ``TRUST`` but at most this fraction, and below every canonical plan, is kept at its measured peak instead of
-#: the nested search being made again measuring every move: at no budget and 2% above the smallest peak, GPT-2 with
-#: 4 layers (0.14% over its replay) and DenseNet-121 at batch 8 (1.2%) spent 16 fake steps each (20 s of 42 and
-#: about 60 of 108 s) for a search that ended at the same plan. A replay off by more than this is not trusted.
-NESTED_SLACK = 0.02
-
-#: Without a budget, the search stops once a plan measures within this fraction of the step's physical floor
-#: (:func:`fxplan.measure.floor.physical_floor`, what no plan of the same ops can peak below): every plan
-#: it could still find is lower by less than this share of the peak, and finding one costs fake steps of rewritten
-#: modules, dozens on a nested search. Models whose parameters and gradients dwarf their activations meet it at
-#: once: a timm RegNetY-200MF at batch 2, 64², measured its canonical plans down to 1.4% above the floor and then
-#: spent 40 of 64 s planning on a nested search that lowered the peak by 0.4% more.
-FLOOR_SLACK = 0.02
-
-
-class StepFloor:
-    """The physical floor of one model's step (:func:`fxplan.measure.floor.physical_floor`), found once, when first
-    asked for, and shared by the searches of the model's graphs (a recomputed region runs the same ops)."""
-
-    def __init__(self, model: torch.nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None):
-        self._args = model, example_inputs, loss_fn
-        self._bytes: int | None = None
-
-    def reached(self, measured: int) -> bool:
-        """Whether a plan measuring ``measured`` bytes is within ``FLOOR_SLACK`` of the floor."""
-        if self._bytes is None:
-            model, inputs, loss_fn = self._args
-            try:
-                with host_generators_kept():  # the model's own forward runs: it may draw (a LayerDrop)
-                    self._bytes = physical_floor(model, inputs, loss_fn=loss_fn).bytes
-                logger.debug("the physical floor of the step: %d bytes", self._bytes)
-            except (FxplanError, RuntimeError) as error:  # the search goes on as without a floor
-                logger.debug("no physical floor of the step (%s)", str(error).splitlines()[0][:200])
-                self._bytes = 0
-        return measured <= self._bytes * (1 + FLOOR_SLACK)
-
 
 class Search(Candidates):
     """The choice among the candidates of one model, inputs and solver, and the nested plans below them (module
@@ -211,7 +155,8 @@ class Search(Candidates):
         and vouch for the replay itself: :meth:`_nested_first`); the plan it finds is then measured, and if
         the replay under-predicted it by more than ``TRUST``, the search is made again, measuring, unless by at
         most ``NESTED_SLACK`` with the plan still measuring below :meth:`smallest`'s: then it is kept at its
-        measured peak. No nested search is made where :meth:`smallest` measures within ``FLOOR_SLACK`` of the
+        measured peak (and after the search made again, where that search finds nothing lower). No nested search
+        is made where :meth:`smallest` measures within ``FLOOR_SLACK`` of the
         physical floor."""
         if self._lowest is None:
             heartbeat.stage("solving and replaying the canonical plans of least peak")
@@ -233,7 +178,10 @@ class Search(Candidates):
                     self._correct_nested(found, m)
                 else:
                     self._distrust(f"its nested plan measured {m} bytes, replayed {found.replayed}")
-                    self._lowest = self._nested_search(smallest, False)
+                    again = self._nested_search(smallest, False)
+                    # what the replay found and was measured stays a plan to choose
+                    self._lowest = found if m is not None and (m, found.recompute) < (again.peak, again.recompute) \
+                        else again
         return self._lowest
 
     def _nested_first(self) -> Candidate | None:
@@ -539,8 +487,3 @@ class Search(Candidates):
                        memory_model=c.plan.memory_model if c.plan.children else "replay",
                        measured_peak_bytes=c.measured, budget_bytes=budget_bytes,
                        T_seconds=self.cg.graph.get("T_seconds"), early_stop_fraction=self._early_stop(c.plan))
-
-
-def replayed_within_trust(measured: list[Candidate]) -> bool:
-    """True if every one of ``measured`` (one at least) replayed within ``TRUST`` of its measured peak."""
-    return bool(measured) and all(abs(c.replayed - c.measured) <= TRUST * c.measured for c in measured)

@@ -22,7 +22,7 @@ forward cost recomputed per step (the cost graph's T, the regions' own recomputa
   plain peak was given five segments over every unit, 1.37 of a forward recomputed, though the nested plan
   that 0.76 was given, recomputing 0.92, fits it too);
 - no budget (the smallest peak): the least recomputation among the two choices (captured graph, every
-  region or unit) within :data:`fxplan.planner.search.NEGLIGIBLE` of the lower of the two smallest measured peaks;
+  region or unit) within :data:`fxplan.planner.trust.NEGLIGIBLE` of the lower of the two smallest measured peaks;
   the graph with every region or unit is searched first, and the captured graph's plans are measured only
   where their replay may come within that (:meth:`Searches.smallest_choices`);
 - ``strategy="memory"``: the lower measured peak of those two.
@@ -58,8 +58,9 @@ from fxplan.costs.trace import trace
 from fxplan.errors import BudgetError, FxplanError
 from fxplan.planner.candidates import Candidate
 from fxplan.planner.plan_meter import MeasuredWork
-from fxplan.planner.search import Search, StepFloor, negligibly_above, replayed_within_trust
+from fxplan.planner.search import Search
 from fxplan.planner.splice import SpliceError, derived, spliced
+from fxplan.planner.trust import StepFloor, negligibly_above, replayed_within_trust
 from fxplan.rewriter.codegen import SegmentedModule
 from fxplan.solvers.costgraph import CostGraph
 from fxplan.solvers.plans import Plan, regions_recomputed
