@@ -572,3 +572,46 @@ def test_early_stop_runs_what_subplans_says(nested):
     T = dict.fromkeys(cg.nodes, 1.0)
     # whole blocks: every node of segments 0 and 1 once, segment 0's first sub-block once more when nested
     assert subplans.early_stop_cost(blocks, facts, T) == 7 + 2 * nested - sum(recomputed.values())
+
+
+class ShiftedTokens(nn.Module):
+    """BART's shift of its tokens (a new tensor written in place through two views), then layers: a plan that puts
+    the in-place writes and a later read of their tensor in different segments is one the rewriter rejects."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
+
+    def forward(self, x):
+        shifted = x.new_zeros(x.shape)
+        shifted[:, 1:] = x[:, :-1].clone()
+        shifted[:, 0] = 1.0
+        return self.layers(shifted * x)
+
+
+def test_a_search_ranked_by_its_replay_moves_on_from_and_chooses_only_plans_the_rewriter_generates():
+    """A search that trusts its replay measures none of its moves; a tree it ranks lowest may be one the rewriter
+    rejects. It moves on only from trees the rewriter generates, and chooses among those alone."""
+    import sys
+
+    from fxplan.costs.trace import trace
+    from fxplan.planner import nested, plan_meter
+    from fxplan.planner.search import Search
+
+    model, x = ShiftedTokens(), (torch.randn(32, 64),)
+    cg = trace(model, x)
+    flat = Search(cg, model, x, solver="approx", trust_replay=False).smallest()
+    meter = plan_meter.PlanMeter(cg, x, None)
+
+    def replayed(blocks, cap=None, base=None):  # a replay that ranks finer trees lower, whichever they are
+        return int(flat.measured * (1 - 0.0005 * len(repr(blocks))))
+
+    def generated(blocks) -> bool:
+        return meter.accepts([b.names for b in blocks], subplans.as_children(blocks))
+
+    search = nested.NestedSearch(cg, meter, 100, replayed=replayed, trusted=True)
+    found = search.improve(flat.plan, flat.measured, flat.segment_replayed)
+    assert found is not None and generated(found.blocks)
+    assert not all(generated(m.blocks) for m in search.measured), "the replay ranked trees the rewriter rejects"
+    cheapest, _ = search.cheapest(sys.maxsize - 1)
+    assert generated(cheapest.blocks)
