@@ -167,3 +167,25 @@ def test_compare_measures_the_peer_at_the_main_batch_and_in_real_steps():
     assert sac.method == "sac-ilp@0.5" and sac.status == "ok", sac.note
     assert sac.peak_bytes < vanilla.peak_bytes and sac.small_peak_bytes < vanilla.small_peak_bytes
     assert sac.recompute_fraction > 0
+
+
+def test_a_model_on_meta_is_priced_by_the_roofline_and_planned():
+    """A model too large for real tensors (built on ``meta``) has its ops priced by FLOPs and bytes instead of timed
+    on real tensors; the plan is the same kind, and exact on a real model given the same mode."""
+    with torch.device("meta"):
+        on_meta = tiny_gpt2()
+    assert torch_sac.default_runtime_mode(on_meta) == torch_sac.CPU_ROOFLINE
+    batch = token_batch()
+    meta_batch = {k: v.to("meta") for k, v in batch.items()}
+    peer = peers.sac_ilp_peer(on_meta, meta_batch, hf_loss, 0.5)
+    assert peer.fxplan_sac.runtime_mode == torch_sac.CPU_ROOFLINE and peer.fxplan_sac.discard
+    unplanned = fxplan.measure_step(on_meta, meta_batch, fake=True, loss_fn=hf_loss).peak_bytes
+    assert fxplan.measure_step(peer, meta_batch, fake=True, loss_fn=hf_loss).peak_bytes < unplanned
+
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    real_peer = peers.sac_ilp_peer(model, batch, hf_loss, 0.5, runtime_mode=torch_sac.CPU_ROOFLINE)
+    assert real_peer.fxplan_sac.discard
+    loss, grads = train_step(real_peer, batch, 1)
+    ref_loss, ref_grads = train_step(reference, batch, 1)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 
 from fxplan.capture.fakes import model_copy
 from fxplan.common.console import format_bytes, format_count
-from fxplan.compare import peers
+from fxplan.compare import peers, torch_sac
 from fxplan.errors import FxplanError
 from fxplan.measure.meter import GiB, measure_step
 
@@ -161,12 +161,10 @@ def _compiled(fraction: float) -> Callable[[Context], Prepared]:
 
 def _sac_ilp(fraction: float) -> Callable[[Context], Prepared]:
     def prepare(ctx: Context) -> Prepared:
-        if ctx.small_inputs is None:
-            raise peers.NotApplicable("not applicable: on the CPU PyTorch's SAC estimator is given op times measured "
-                                      "on real tensors of the main batch, and this model is too large for real steps "
-                                      "(fake tensors only)")
+        # a model too large for real steps cannot have its ops timed on real tensors: their roofline instead
+        mode = torch_sac.CPU_ROOFLINE if ctx.small_inputs is None else None
         start = time.perf_counter()
-        module = peers.sac_ilp_peer(ctx.model, ctx.paper_inputs, ctx.loss_fn, fraction)
+        module = peers.sac_ilp_peer(ctx.model, ctx.paper_inputs, ctx.loss_fn, fraction, runtime_mode=mode)
         plan = module.fxplan_sac
         return Prepared(module, {
             "budget": f"sac_milp {format_bytes(plan.budget_bytes)} ({fraction:g} of the way from "

@@ -424,7 +424,8 @@ def sac_ilp_peer(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any],
     ``runtime_mode``: how op times are estimated. torch's ``operator-level-cost-model`` (roofline, the default for a
     model on an accelerator) and ``operator-level-benchmark`` both need an accelerator in torch 2.14.1 (the first
     asserts one, the second times with its events) and raise :class:`FxplanError` without one; on the CPU the
-    default is ``cpu-benchmark``, each op timed on the CPU as torch's benchmark mode times it on a GPU. The times
+    default is ``cpu-benchmark``, each op timed on the CPU as torch's benchmark mode times it on a GPU, and for a model
+on ``meta`` ``cpu-roofline``, each op priced by its FLOPs and bytes at the CPU's measured speed. The times
     steer only which modules and op outputs the ILPs prefer to recompute; the memory model is torch's either way.
 
     ``peer.fxplan_sac`` is the :class:`fxplan.compare.torch_sac.SACPlan` (``summary()``); each checkpointed

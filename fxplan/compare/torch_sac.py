@@ -22,8 +22,11 @@ mode times them on a GPU: on real tensors of the fake inputs' shapes and strides
 that indices are valid), one call, then the mean of three, by ``time.perf_counter``; a view gets 0 ms, as in torch's
 mode, and so does an op that refuses such values, as torch's mode gives 0 ms to an op it cannot run (listed in
 :attr:`EstimatorStats.untimed`). ``RuntimeEstimator`` is
-run untimed there: ``sac_milp`` reads only the module order from it. Only the ILPs' objective (recomputation time)
-depends on the times; their memory constraint is torch's estimate of bytes, which no time changes.
+run untimed there: ``sac_milp`` reads only the module order from it. A model built on ``meta`` (too large for real
+tensors here) is priced instead (:data:`CPU_ROOFLINE`): each op's FLOPs and bytes moved at this CPU's measured speed,
+fxplan's roofline (:meth:`fxplan.costs.timecost.DeviceSpeed.seconds`), nothing run on real tensors. Only the ILPs'
+objective (recomputation time) depends on the times; their memory constraint is torch's estimate of bytes, which no
+time changes.
 
 Matching the chosen op outputs at run time. A selective-checkpoint policy is asked about each op call of the
 forward; it is matched to ``SACEstimator``'s list by operator name and how many calls of that operator came before it
@@ -52,12 +55,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fxplan.capture.capturers import ExampleCall
 from fxplan.capture.fakes import caches_kept_real, fake_copy, fake_mode_of, to_fake
+from fxplan.costs.op_census import call_cost
+from fxplan.costs.timecost import device_speed
 from fxplan.errors import BudgetError, FxplanError
 
-#: The runtime estimate made here on the CPU (module docstring); torch's two modes keep their own names.
+#: The runtime estimates made here on the CPU (module docstring); torch's two modes keep their own names.
 CPU_BENCHMARK = "cpu-benchmark"
+CPU_ROOFLINE = "cpu-roofline"
 TORCH_MODES = ("operator-level-benchmark", "operator-level-cost-model")
-RUNTIME_MODES = (CPU_BENCHMARK, *TORCH_MODES)
+RUNTIME_MODES = (CPU_BENCHMARK, CPU_ROOFLINE, *TORCH_MODES)
 
 
 def _tools() -> Any:
@@ -72,9 +78,12 @@ def _tools() -> Any:
 
 
 def default_runtime_mode(model: nn.Module) -> str:
-    """torch's roofline model for a model on an accelerator that is there, else :data:`CPU_BENCHMARK`."""
-    on_accelerator = any(p.device.type not in ("cpu", "meta") for p in model.parameters())
-    return TORCH_MODES[1] if on_accelerator and torch.accelerator.is_available() else CPU_BENCHMARK
+    """torch's roofline model for a model on an accelerator that is there; :data:`CPU_ROOFLINE` for a model on
+    ``meta`` (built too large for real tensors here); else :data:`CPU_BENCHMARK`."""
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cpu", "meta"} and torch.accelerator.is_available():
+        return TORCH_MODES[1]
+    return CPU_ROOFLINE if "meta" in devices else CPU_BENCHMARK
 
 
 def _real_like(x: Any) -> Any:
@@ -111,6 +120,18 @@ def _cpu_timer(untimed: set[str]) -> Any:
         except Exception:  # an op that refuses made-up values: torch's benchmark mode gives it 0 ms too
             untimed.add(str(func))
             return out, 0.0
+
+    return estimate
+
+
+def _roofline_timer() -> Any:
+    """An ``(func, args, kwargs) -> (fake output, ms)`` estimate from each op's FLOPs and bytes moved at this
+    CPU's measured speed (:func:`fxplan.costs.timecost.device_speed`), without running it on real tensors."""
+    speed = device_speed("cpu")
+
+    def estimate(func: Any, args: Any, kwargs: Any) -> tuple[Any, float]:
+        out, flops, moved = call_cost(func, args, kwargs or {})
+        return out, 0.0 if moved == 0 else speed.seconds(flops, moved, 1) * 1e3
 
     return estimate
 
@@ -160,7 +181,7 @@ def collect(model: nn.Module, call: ExampleCall, loss_fn: Any, runtime_mode: str
     fmodel = fake_copy(model, fake_mode)
     args, kwargs = to_fake((call.args, call.kwargs), fake_mode)
     untimed: set[str] = set()
-    timer = _cpu_timer(untimed)
+    timer = _roofline_timer() if runtime_mode == CPU_ROOFLINE else _cpu_timer(untimed)
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
     def step() -> None:
@@ -174,12 +195,13 @@ def collect(model: nn.Module, call: ExampleCall, loss_fn: Any, runtime_mode: str
         with memory:
             step()
         # on the CPU: torch's benchmark mode, its timing replaced by the CPU's (module docstring)
-        torch_mode = TORCH_MODES[0] if runtime_mode == CPU_BENCHMARK else runtime_mode
+        on_cpu = runtime_mode not in TORCH_MODES
+        torch_mode = TORCH_MODES[0] if on_cpu else runtime_mode
         runtime = runtime_estimator.RuntimeEstimator()(estimate_mode_type=torch_mode)
         sac = sac_estimator.SACEstimator()(estimate_mode_type=torch_mode)
-        if runtime_mode == CPU_BENCHMARK:
+        if on_cpu:
             _set_estimate(runtime, "_estimate", _untimed)  # only its module order is used (module docstring)
-            runtime._estimate_mode_type = CPU_BENCHMARK
+            runtime._estimate_mode_type = runtime_mode
             _set_estimate(sac, "_estimate_runtime", timer)
         with contextlib.redirect_stdout(io.StringIO()), runtime:  # it prints its total time on exit
             step()
@@ -436,5 +458,5 @@ def install(model: nn.Module, decisions: dict[str, dict[str, tuple[bool, ...]]])
     return installed
 
 
-__all__ = ["CPU_BENCHMARK", "RUNTIME_MODES", "SACForward", "SACPlan", "SACPolicy", "EstimatorStats", "collect",
-           "default_runtime_mode", "install", "smallest_budget", "solve"]
+__all__ = ["CPU_BENCHMARK", "CPU_ROOFLINE", "RUNTIME_MODES", "SACForward", "SACPlan", "SACPolicy", "EstimatorStats",
+           "collect", "default_runtime_mode", "install", "smallest_budget", "solve"]

@@ -197,3 +197,17 @@ def _decomposes(func) -> bool:
         _DECOMPOSES[func] = func is not torch.ops.prim.device.default and (
             key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
     return _DECOMPOSES[func]
+
+
+class _Count:
+    flops = 0
+
+
+def call_cost(func, args: tuple, kwargs: dict) -> tuple[Any, int, int]:
+    """Run one ATen call: its output, its FLOPs (counted as :class:`NodeCensus` counts them) and the bytes it
+    moves (:func:`op_traffic`), the quantities :meth:`fxplan.costs.timecost.DeviceSpeed.seconds` prices."""
+    count = _Count()
+    inputs = tensors((args, kwargs))
+    written = tensors(written_arguments(func, args, kwargs))
+    out = _counting_flops(count, func, args, kwargs)
+    return out, count.flops, op_traffic(inputs, written, tensors(out))
